@@ -1,0 +1,44 @@
+"""contextkit: context-reuse middleware for RAG and agent workloads.
+
+The public API is what ``__all__`` lists; everything else may change between releases.
+"""
+
+from contextkit.config import ContextKitConfig
+from contextkit.engine import Engine, Generation, KVCache, SamplingParams
+from contextkit.errors import (
+    ConfigError,
+    ContextKitError,
+    CorruptModelError,
+    EmptyInputError,
+    InputError,
+    KVCacheError,
+    ModelError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from contextkit.kit import ContextKit
+from contextkit.types import Evidence
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "ContextKit",
+    "ContextKitConfig",
+    "ContextKitError",
+    "CorruptModelError",
+    "EmptyInputError",
+    "Engine",
+    "Evidence",
+    "Generation",
+    "InputError",
+    "KVCache",
+    "KVCacheError",
+    "ModelError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "SamplingParams",
+    "UnsupportedModelError",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks: one harness (harness.py), one module per bench."""

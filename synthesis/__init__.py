@@ -1,0 +1,1 @@
+"""Skills (compile, retrieve, splice, errata) and parallel-agent synthesis over branch KV. No HTTP."""
