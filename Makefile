@@ -1,0 +1,33 @@
+# Quick start: `make run` (answer the example question on the embedded default model), `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+BENCH  := bench-results
+
+.PHONY: run test bench venv clean
+
+venv: $(STAMP)
+
+# torch first, pinned to the CPU 2.13.0 build: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+run: venv
+	$(BIN)/contextkit models prepare
+	$(BIN)/contextkit generate --input examples/question.json
+
+# The suite needs no external service yet; later issues start vLLM / Redis / lmcache_server here
+# (started before pytest, stopped by PID afterwards, pass or fail).
+test: venv
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/contextkit bench engine --n 3 --json $(BENCH)/engine.json --plot $(BENCH)/engine.png
+
+clean:
+	rm -rf $(VENV) $(BENCH) .pytest_cache

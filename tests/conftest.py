@@ -1,0 +1,85 @@
+"""Shared fixtures: real packaged models (prepared once per machine) and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from contextkit.config import ContextKitConfig
+from contextkit.models import prepare
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def config() -> ContextKitConfig:
+    # Same cache as `make run`, so a machine prepares each model once.
+    return ContextKitConfig(cache_dir=Path(os.environ.get("CONTEXTKIT_CACHE_DIR", "~/.cache/contextkit")))
+
+
+@pytest.fixture(scope="session")
+def smol_dir(config) -> Path:
+    return prepare("smollm2-135m-instruct", config.cache_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma_dir(config) -> Path:
+    return prepare("gemma3-270m", config.cache_dir)
+
+
+@pytest.fixture(scope="session")
+def passage_text() -> str:
+    """Real text: passages of the shared multi-hop set (or the bundled example in a user's clone)."""
+    path = SHARED_DATA / "multihop_dev.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines()[:40]]
+        return "\n\n".join(p["title"] + "\n" + p["text"] for r in rows for p in r["passages"])
+    obj = json.loads((REPO / "examples" / "question.json").read_text())
+    return "\n\n".join(d["text"] for d in obj["documents"]) * 40
+
+
+def _tiny(tmp_root: Path, name: str, config) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random init has tiny norms; make them non-trivial so the test can fail
+        for n_, p in model.named_parameters():
+            if "norm" in n_:
+                p.normal_(1.0, 0.2)
+    out = tmp_root / name
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Randomly initialised small checkpoints of the other supported families (no download)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    root = tmp_path_factory.mktemp("tiny")
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+        initializer_range=0.1,  # larger than default so a wrong op moves the logits visibly
+    )
+    return {
+        "llama3-scaled": _tiny(root, "llama3", LlamaConfig(
+            **common, head_dim=16,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        )),
+        "llama-linear": _tiny(root, "llama-linear", LlamaConfig(
+            **common, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        )),
+        "qwen2": _tiny(root, "qwen2", Qwen2Config(**common)),
+        "qwen3": _tiny(root, "qwen3", Qwen3Config(**common, head_dim=32)),
+    }

@@ -1,0 +1,98 @@
+"""Decoding: greedy parity with transformers, stop tokens and strings, streaming, sampling, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contextkit.engine.generate import SamplingParams, Stream, generate, sample
+from contextkit.engine.model import Engine
+from contextkit.errors import ConfigError, EmptyInputError, PromptTooLongError
+from contextkit.prompt import render_prompt
+from contextkit.tokenizer import Tokenizer
+from contextkit.types import Evidence
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    return Engine.from_dir(smol_dir), Tokenizer(smol_dir), smol_dir
+
+
+@pytest.fixture(scope="module")
+def prompt(smol):
+    _, tok, _ = smol
+    docs = [Evidence("The Eiffel Tower is 330 metres tall and was built by Gustave Eiffel's company.", title="Eiffel")]
+    return render_prompt(tok, "Who built the Eiffel Tower?", docs)
+
+
+def test_greedy_matches_transformers_generate(smol, prompt):
+    from transformers import AutoModelForCausalLM
+
+    engine, tok, d = smol
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+    ours = generate(engine, tok, prompt, SamplingParams(max_new_tokens=48))
+    eos = set(engine.spec.eos_token_ids)
+    assert ref[-1] in eos and ours.finish_reason == "stop"  # this prompt's answer ends before 48 tokens
+    assert list(ours.token_ids) == ref[:-1]
+    assert ours.prompt_tokens == len(prompt)
+
+
+def test_stops_at_eos(smol, prompt):
+    engine, tok, _ = smol
+    g = generate(engine, tok, prompt, SamplingParams(max_new_tokens=200))
+    assert g.finish_reason == "stop"
+    assert len(g.token_ids) < 200
+    assert not set(g.token_ids) & set(engine.spec.eos_token_ids)
+    assert "Eiffel" in g.text
+
+
+def test_stop_string_cuts_text_and_streaming_never_leaks_it(smol, prompt):
+    engine, tok, _ = smol
+    free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=40))
+    words = free.text.split()
+    assert len(words) >= 3
+    stop = " " + words[2]  # a stop string that occurs in the greedy answer
+    run = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=40, stop=(stop,)))
+    deltas = list(run)
+    assert run.result is not None and run.result.finish_reason == "stop"
+    assert "".join(deltas) == run.result.text
+    assert stop not in run.result.text
+    assert free.text.startswith(run.result.text)
+    assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
+
+
+def test_streamed_deltas_add_up_to_the_text(smol, prompt):
+    engine, tok, _ = smol
+    run = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=30))
+    deltas = list(run)
+    assert len(deltas) > 3
+    assert "".join(deltas) == run.result.text
+
+
+def test_sampling_is_seeded_and_respects_top_k(smol, prompt):
+    engine, tok, _ = smol
+    p = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=())
+    a = generate(engine, tok, prompt, p)
+    b = generate(engine, tok, prompt, p)
+    assert a.token_ids == b.token_ids
+    logits = torch.randn(1000)
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    g = torch.Generator().manual_seed(0)
+    draws = {sample(logits, SamplingParams(temperature=2.0, top_k=3), g) for _ in range(200)}
+    assert draws <= top3 and len(draws) > 1
+    nucleus = {sample(logits, SamplingParams(temperature=1.0, top_p=1e-6), g) for _ in range(20)}
+    assert nucleus == {int(logits.argmax())}
+
+
+def test_limits_and_bad_params(smol):
+    engine, tok, _ = smol
+    with pytest.raises(PromptTooLongError, match="context"):
+        Stream(engine, tok, [1] * (engine.spec.max_positions - 10), SamplingParams(max_new_tokens=20))
+    with pytest.raises(EmptyInputError):
+        Stream(engine, tok, [], SamplingParams())
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(stop=("",))):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+    with pytest.raises(EmptyInputError, match="question"):
+        render_prompt(tok, "   ")

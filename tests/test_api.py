@@ -1,0 +1,48 @@
+"""The public surface is small and pinned: adding or removing a name is a deliberate change here."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import contextkit
+
+PUBLIC = [
+    "ConfigError", "ContextKit", "ContextKitConfig", "ContextKitError", "CorruptModelError", "EmptyInputError",
+    "Engine", "Evidence", "Generation", "InputError", "KVCache", "KVCacheError", "ModelError",
+    "ModelNotFoundError", "PromptTooLongError", "SamplingParams", "UnsupportedModelError", "__version__",
+]
+
+
+def test_all_is_pinned():
+    assert sorted(contextkit.__all__) == sorted(PUBLIC)
+    for name in contextkit.__all__:
+        assert hasattr(contextkit, name), name
+
+
+def test_py_typed_ships():
+    assert (Path(contextkit.__file__).parent / "py.typed").is_file()
+
+
+def test_every_folder_imports_as_a_subpackage():
+    for sub in ("ordering", "spans", "kvstore", "kernels", "synthesis", "integrations", "engine", "bench"):
+        mod = importlib.import_module(f"contextkit.{sub}")
+        assert mod.__doc__, sub
+
+
+def test_errors_form_one_tree():
+    for name in PUBLIC:
+        obj = getattr(contextkit, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, contextkit.ContextKitError)
+
+
+def test_facade_answers_over_evidence(smol_dir):
+    kit = contextkit.ContextKit(contextkit.ContextKitConfig(model=str(smol_dir)))
+    g = kit.generate(
+        "What colour is the door?",
+        [contextkit.Evidence("The door of the house is painted bright red.", title="House")],
+        params=contextkit.SamplingParams(max_new_tokens=16),
+    )
+    assert "red" in g.text.lower()
+    assert g.prompt_tokens > 10 and g.prefill_ms > 0
