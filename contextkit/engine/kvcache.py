@@ -86,37 +86,46 @@ class KVCache:
         return start, end
 
 
-def attention_mask(
-    cache: KVCache, start: int, end: int, attend: Attend | None, window: int | None
-) -> torch.Tensor | None:
-    """Boolean mask (end - start, end): query slots start..end-1 against key slots 0..end-1.
+PAD_SEGMENT = -1  # slots left empty by block-aligned padding: never attended to
 
-    True = may attend. Returns None when the structure is plain causal from slot 0 with no window cut
-    (the caller then uses SDPA's ``is_causal`` fast path) or when every entry would be True.
+
+def attention_mask(
+    cache: KVCache, q_slots: torch.Tensor, end: int, attend: Attend | None, window: int | None
+) -> torch.Tensor | None:
+    """Boolean mask (len(q_slots), end): query slots against key slots 0..end-1. True = may attend.
+
+    Causality is by slot order. Returns None in the two cases SDPA handles without a mask: queries
+    that are exactly slots 0..end-1 under plain causal attention (use ``is_causal``), and one query in
+    the last slot that may see every slot.
     """
-    q_slots = torch.arange(start, end)
     k_slots = torch.arange(end)
+    seg = cache.segments[:end]
+    has_pad = bool((seg == PAD_SEGMENT).any())
+    if attend is None and not has_pad and (window is None or _span(cache.positions[:end]) < window):
+        n = q_slots.numel()
+        if n == end and bool((q_slots == k_slots).all()):
+            return None  # is_causal fast path
+        if n == 1 and int(q_slots[0]) == end - 1:
+            return None  # one query sees everything before it
+    causal = k_slots[None, :] <= q_slots[:, None]
     if attend is None:
-        if window is None or _span(cache.positions[:end]) < window:
-            if start == 0:
-                return None  # is_causal fast path
-            if end - start == 1:
-                return None  # one query sees everything before it
-        allowed = k_slots[None, :] <= q_slots[:, None]
+        allowed = causal
     else:
-        seg = cache.segments[:end]
-        seg_q = seg[start:end]
-        allowed = (seg[None, :] == seg_q[:, None]) & (k_slots[None, :] <= q_slots[:, None])
+        seg_q = seg[q_slots]
+        allowed = (seg[None, :] == seg_q[:, None]) & causal
         for s in seg_q.unique().tolist():
             visible = [int(x) for x in attend.get(s, ())]
             if visible:
                 rows = seg_q == s
                 allowed[rows] |= torch.isin(seg, torch.tensor(visible, dtype=seg.dtype))[None, :]
+    if has_pad:
+        allowed &= (seg != PAD_SEGMENT)[None, :]
     if window is not None:
         pos = cache.positions[:end]
-        allowed &= (pos[start:end, None] - pos[None, :]) < window
+        allowed &= (pos[q_slots, None] - pos[None, :]) < window
     return allowed
 
 
 def _span(positions: torch.Tensor) -> int:
-    return int(positions.max() - positions.min()) if positions.numel() else 0
+    valid = positions[positions >= 0]
+    return int(valid.max() - valid.min()) if valid.numel() else 0

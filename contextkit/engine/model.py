@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,17 @@ def _fingerprint(model_dir: Path, spec: ModelSpec) -> ModelFingerprint:
     return ModelFingerprint(spec.model_type, h.hexdigest())
 
 
+class AttentionProbe(Protocol):
+    """Sees the queries and keys of chosen layers during a forward (e.g. to score tokens by attention)."""
+
+    layers: Collection[int]
+
+    def observe(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> None:
+        """q (H, rows, D) rotated; k (Hkv, T, D) the whole cache; mask (rows, T) bool or None = all visible."""
+
+
 class Engine:
     """A loaded model. Stateless across calls: all sequence state lives in the KVCache passed in."""
 
@@ -88,21 +100,30 @@ class Engine:
         self,
         cache: KVCache,
         token_ids: torch.Tensor | list[int],
-        positions: torch.Tensor | list[int] | None = None,
+        positions: torch.Tensor | Sequence[int] | None = None,
         segment: int | torch.Tensor = 0,
         attend: Attend | None = None,
         logits: LogitsSelect = "last",
+        slots: torch.Tensor | Sequence[int] | None = None,
+        stop_after: int | None = None,
+        probe: AttentionProbe | None = None,
     ) -> torch.Tensor | None:
-        """Run ``token_ids`` through the model, appending their KV to ``cache``.
+        """Run ``token_ids`` through the model, writing their KV into ``cache``.
 
         Args:
-            cache: filled slots ``0..cache.length`` are attended to; the new tokens take the next slots.
+            cache: its filled slots ``0..cache.length`` are attended to (causally, by slot order).
             token_ids: (n,) token ids.
             positions: (n,) logical RoPE positions; default continues from ``cache.next_position``.
             segment: segment id for every new token, or (n,) ids; used only with ``attend``.
             attend: segment -> segments it sees fully (see kvcache.py); None = causal over all slots.
             logits: "last" -> (1, vocab), "all" -> (n, vocab), "none" -> None, or a tensor of indices
                 into the new tokens -> (len(indices), vocab). Logits are float32.
+            slots: write into these slots instead of appending: existing slots are overwritten (selective
+                recomputation), slots from ``cache.length`` on are appended. Needs ``positions``.
+            stop_after: run only the first ``stop_after`` layers (their KV is written); returns None.
+            probe: observes the attention of the new tokens at ``probe.layers``.
+
+        If this raises, the cache length is unchanged; slots overwritten in place hold undefined KV.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = ids.numel()
@@ -111,18 +132,22 @@ class Engine:
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise KVCacheError(f"token ids must be in [0, {self.spec.vocab_size}); got {ids.min()}..{ids.max()}")
         if positions is None:
+            if slots is not None:
+                raise KVCacheError("forward(slots=...) needs explicit positions")
             pos = torch.arange(n, dtype=torch.long) + cache.next_position
         else:
             pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
             if pos.numel() != n:
                 raise KVCacheError(f"{n} tokens but {pos.numel()} positions")
-        if int(pos.max()) >= self.spec.max_positions:
+        if int(pos.min()) < 0 or int(pos.max()) >= self.spec.max_positions:
             raise PromptTooLongError(
-                f"position {int(pos.max())} is beyond the model's context of {self.spec.max_positions} tokens; "
+                f"position {int(pos.max())} is outside the model's context of {self.spec.max_positions} tokens; "
                 "shorten the prompt or lower max_new_tokens"
             )
         if cache.k.dtype != self.dtype or cache.k.shape[0] != self.spec.num_layers:
             raise KVCacheError("this cache was allocated for another model or dtype; use Engine.new_cache()")
+        if stop_after is not None and not 0 < stop_after <= self.spec.num_layers:
+            raise KVCacheError(f"stop_after must be in 1..{self.spec.num_layers}, got {stop_after}")
 
         # Rows whose final hidden state is needed. The last layer runs attention and MLP only for
         # them: its K/V (all that later tokens read) come from the layer's input, so skipping the
@@ -133,30 +158,57 @@ class Engine:
             keep = None if logits == "all" else torch.arange(n - 1, n) if logits == "last" else torch.arange(0)
         else:
             keep = torch.as_tensor(logits, dtype=torch.long).reshape(-1) % n
+        if stop_after is not None:
+            keep = None
 
-        start, end = cache.reserve(n)
-        cache.positions[start:end] = pos
-        cache.segments[start:end] = torch.as_tensor(segment, dtype=torch.long)
+        where, q_slots, end = self._place(cache, n, slots)
+        cache.positions[where] = pos
+        cache.segments[where] = torch.as_tensor(segment, dtype=torch.long)
         try:
-            x = self._layers(ids, pos, cache, start, end, attend, keep)
+            x = self._layers(ids, pos, cache, where, q_slots, end, attend, keep, stop_after, probe)
         except BaseException:
-            cache.positions[start:end] = -1  # leave the cache as it was
+            if isinstance(where, slice):
+                cache.positions[where] = -1  # appended slots: forget them
             raise
         cache.length = end
-        if keep is not None and keep.numel() == 0:
+        if stop_after is not None or (keep is not None and keep.numel() == 0):
             return None
         w = self.weights
         return F.linear(w.final_norm(x), w.lm_head).float()
+
+    @staticmethod
+    def _place(
+        cache: KVCache, n: int, slots: torch.Tensor | Sequence[int] | None
+    ) -> tuple[slice | torch.Tensor, torch.Tensor, int]:
+        """Where the new tokens go: (index for the cache's slot dim, (n,) slot ids, new cache length)."""
+        if slots is None:
+            start, end = cache.reserve(n)
+            return slice(start, end), torch.arange(start, end), end
+        q = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
+        if q.numel() != n:
+            raise KVCacheError(f"{n} tokens but {q.numel()} slots")
+        if int(q.min()) < 0 or q.unique().numel() != n:
+            raise KVCacheError("slots must be distinct and non-negative")
+        fresh = q[q >= cache.length].sort().values
+        if fresh.numel() and not torch.equal(fresh, torch.arange(cache.length, cache.length + fresh.numel())):
+            raise KVCacheError(f"new slots must continue the cache without gaps from slot {cache.length}")
+        _, end = cache.reserve(fresh.numel())
+        if torch.equal(q, torch.arange(int(q[0]), int(q[0]) + n)):
+            return slice(int(q[0]), int(q[0]) + n), q, end
+        return q, q, end
 
     def _layers(
         self,
         ids: torch.Tensor,
         pos: torch.Tensor,
         cache: KVCache,
-        start: int,
+        where: slice | torch.Tensor,
+        q_slots: torch.Tensor,
         end: int,
         attend: Attend | None,
         keep: torch.Tensor | None,
+        stop_after: int | None,
+        probe: AttentionProbe | None,
     ) -> torch.Tensor:
         """Hidden states after the last layer: (n, hidden), or (len(keep), hidden) for ``keep`` rows."""
         s, w = self.spec, self.weights
@@ -171,11 +223,11 @@ class Engine:
             if layer.rope not in tables:
                 tables[layer.rope] = cos_sin(pos, layer.rope, self.dtype)
             if layer.sliding_window not in masks:
-                masks[layer.sliding_window] = attention_mask(cache, start, end, attend, layer.sliding_window)
-        causal_fast = start == 0 and attend is None
+                masks[layer.sliding_window] = attention_mask(cache, q_slots, end, attend, layer.sliding_window)
 
         last = s.num_layers - 1
-        for i, (lw, layer) in enumerate(zip(w.layers, s.layers)):
+        n_layers = s.num_layers if stop_after is None else stop_after
+        for i, (lw, layer) in enumerate(zip(w.layers[:n_layers], s.layers[:n_layers])):
             h = lw.attn_norm(x)
             qkv = F.linear(h, lw.wqkv, lw.bqkv)  # (n, (H + 2 Hkv) D)
             q, k, v = qkv.split((s.q_dim, s.kv_dim, s.kv_dim), dim=-1)
@@ -183,28 +235,31 @@ class Engine:
             if lw.k_norm is not None:
                 k = lw.k_norm(k)
             cos, sin = tables[layer.rope]
-            cache.k[i, :, start:end] = apply_rope(k.transpose(0, 1), cos, sin, layer.rope.layout)  # (Hkv, n, D)
-            cache.v[i, :, start:end] = v.view(n, s.num_kv_heads, s.head_dim).transpose(0, 1)
+            cache.k[i, :, where] = apply_rope(k.transpose(0, 1), cos, sin, layer.rope.layout)  # (Hkv, n, D)
+            cache.v[i, :, where] = v.view(n, s.num_kv_heads, s.head_dim).transpose(0, 1)
             mask = masks[layer.sliding_window]
-            is_causal = mask is None and causal_fast and n > 1
-            rows = n
+            is_causal = mask is None and n > 1  # mask None: full causal prefill, or one query seeing all
+            rows, q_at = n, q_slots
             if i == last and keep is not None:
                 if keep.numel() == 0:
                     return x[:0]
-                q, x, cos, sin, rows = q[keep], x[keep], cos[keep], sin[keep], keep.numel()
-                if is_causal:  # the fast path's implicit mask, made explicit for the kept rows
-                    mask = torch.arange(end)[None, :] <= (start + keep)[:, None]
-                    is_causal = False
-                elif mask is not None:
+                q, x, cos, sin, rows, q_at = q[keep], x[keep], cos[keep], sin[keep], keep.numel(), q_slots[keep]
+                if mask is not None:
                     mask = mask[keep]
+                elif is_causal:  # the fast path's implicit mask, made explicit for the kept rows
+                    mask, is_causal = torch.arange(end)[None, :] <= q_at[:, None], False
             q = q.reshape(rows, s.num_heads, s.head_dim)
             if lw.q_norm is not None:
                 q = lw.q_norm(q)
             q = apply_rope(q.transpose(0, 1), cos, sin, layer.rope.layout)  # (H, rows, D)
+            keys, values = cache.k[i, :, :end], cache.v[i, :, :end]  # (Hkv, T, D)
+            if probe is not None and i in probe.layers:
+                explicit = torch.arange(end)[None, :] <= q_at[:, None] if is_causal else mask
+                probe.observe(i, q, keys, explicit, s.attn_scale)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(0),
-                cache.k[i, :, :end].unsqueeze(0),  # (1, Hkv, T, D)
-                cache.v[i, :, :end].unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=mask,
                 is_causal=is_causal,
                 scale=s.attn_scale,
