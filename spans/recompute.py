@@ -1,0 +1,124 @@
+"""Selective recomputation: which reused tokens to recompute in their new context.
+
+Reused span KV was computed with each span seeing only itself (and its declared predecessors). Tokens
+whose KV would change most by seeing the rest of the context are recomputed; their fresh KV is written
+back into the assembled cache by the final forward, which also prefills the query. Policies, one
+interface (``select``), chosen per request by ``ReuseOptions.policy``:
+
+- ``none``: recompute nothing (fastest, least faithful).
+- ``first_k`` (EPIC): the first k tokens of each non-exact span: they absorb the attention-sink role.
+- ``kv_deviation`` (CacheBlend): run every context token through layers 0..check_layer in place (exact
+  KV for those layers), rank reused tokens by how far their key at ``check_layer`` moved, keep the
+  top r.
+- ``query_attention``: prefill the query on top of the reused cache, under the final positions, and
+  score every reused token by the attention it receives from the query (probability x value norm,
+  summed over heads, layers and query tokens); keep the top r, or, with ``fidelity_budget``, the
+  fewest tokens such that the share of the query's attention mass left on stale tokens is <= budget.
+  That share is the documented deviation estimate: the part of the query's read that still goes
+  through KV computed without its new context.
+- ``full``: handled by the assembler as a plain prefill.
+
+Candidates are reused tokens of non-exact spans only: the first span at position 0 (and a prompt-depend
+chain from it) already has exactly the KV a full prefill would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from contextkit.engine.kvcache import KVCache
+from contextkit.engine.model import Engine
+from contextkit.plan import ReuseOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a plan's tokens sit in the assembled cache (slot order, padding excluded)."""
+
+    ids: torch.Tensor  # (N,) token ids of every non-padding slot, in slot order
+    slots: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    segments: torch.Tensor  # (N,) item index of each token
+    item_slots: tuple[torch.Tensor, ...]  # slots of each plan item
+    candidates: torch.Tensor  # slots of reused tokens that may be recomputed
+    computed: torch.Tensor  # slots always computed in context (query, separators, non-reused items)
+    query: torch.Tensor  # slots of the trailing non-reused item(s), the request's query
+
+
+@dataclass
+class Selection:
+    slots: torch.Tensor  # reused slots to recompute
+    estimated_deviation: float | None = None
+
+
+class _AttentionMass:
+    """Probe: attention the query rows give each key slot, weighted by the slot's value norm."""
+
+    def __init__(self, layers: range, cache: KVCache, end: int):
+        self.layers = layers
+        self.cache = cache
+        self.score = torch.zeros(end, dtype=torch.float32)
+
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> None:
+        h, hkv = q.shape[0], k.shape[0]
+        kk = k.repeat_interleave(h // hkv, dim=0).float()  # (H, T, D)
+        logits = torch.einsum("hrd,htd->hrt", q.float(), kk) * scale
+        if mask is not None:
+            logits = logits.masked_fill(~mask[None], float("-inf"))
+        probs = logits.softmax(-1)  # (H, rows, T)
+        vnorm = self.cache.v[layer, :, : k.shape[1]].float().norm(dim=-1)  # (Hkv, T)
+        vnorm = vnorm.repeat_interleave(h // hkv, dim=0)[:, None, :]
+        self.score += (probs * vnorm).sum(dim=(0, 1))
+
+
+def _top(candidates: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    count = int(round(ratio * candidates.numel()))
+    if count == 0:
+        return candidates[:0]
+    order = scores[candidates].argsort(descending=True)
+    return candidates[order[:count]].sort().values
+
+
+def select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
+    """Slots of reused tokens to recompute under ``options`` (the cache holds the laid-out spans)."""
+    cand = layout.candidates
+    policy = options.policy
+    if policy == "none" or cand.numel() == 0 or (options.ratio == 0 and options.fidelity_budget is None
+                                                  and policy in ("kv_deviation", "query_attention")):
+        return Selection(cand[:0])
+    if policy == "first_k":
+        picked = [s[: options.first_k] for s in layout.item_slots if bool(torch.isin(s, cand).all()) and s.numel()]
+        return Selection(torch.cat(picked).sort().values if picked else cand[:0])
+    if policy == "kv_deviation":
+        layer = min(options.check_layer, engine.spec.num_layers - 1)
+        before = cache.k[layer].clone()  # (Hkv, slots, D)
+        ctx = ~torch.isin(layout.slots, layout.query)
+        engine.forward(cache, layout.ids[ctx], positions=layout.positions[ctx], slots=layout.slots[ctx],
+                       stop_after=layer + 1)
+        deviation = torch.zeros(cache.capacity)
+        deviation[: cache.length] = (cache.k[layer, :, : cache.length] - before[:, : cache.length]).float() \
+            .norm(dim=-1).sum(0)
+        return Selection(_top(cand, deviation, options.ratio))
+    if policy == "query_attention":
+        length = cache.length
+        q = layout.query
+        idx = torch.isin(layout.slots, q)
+        probe = _AttentionMass(range(engine.spec.num_layers), cache, length + q.numel())
+        engine.forward(cache, layout.ids[idx], positions=layout.positions[idx], slots=layout.slots[idx],
+                       logits="none", probe=probe)
+        cache.truncate(length)  # the query is prefilled again after recomputation
+        score = probe.score
+        total = float(score[:length].sum()) or 1.0
+        if options.fidelity_budget is None:
+            picked = _top(cand, score, options.ratio)
+        else:
+            order = cand[score[cand].argsort(descending=True)]
+            stale = float(score[cand].sum()) / total  # share of attention on candidates, none recomputed
+            cum = score[order].cumsum(0) / total
+            need = int((stale - cum > options.fidelity_budget).sum()) + (1 if stale > options.fidelity_budget else 0)
+            picked = order[: min(need, order.numel())].sort().values
+        left = float(score[cand].sum() - score[picked].sum()) / total
+        return Selection(picked, estimated_deviation=round(left, 6))
+    raise ValueError(f"policy {policy!r} is not a selection policy")  # "full" never reaches here
