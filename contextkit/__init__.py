@@ -18,11 +18,20 @@ from contextkit.errors import (
     UnsupportedModelError,
 )
 from contextkit.kit import ContextKit
-from contextkit.types import Evidence
+from contextkit.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
+from contextkit.spans.assemble import Assembly, SpanCache
+from contextkit.types import Evidence, Span
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Assembly",
+    "PlanItem",
+    "RequestPlan",
+    "ReuseOptions",
+    "ReuseReport",
+    "Span",
+    "SpanCache",
     "ConfigError",
     "ContextKit",
     "ContextKitConfig",

@@ -8,12 +8,15 @@ from pathlib import Path
 import torch
 
 from contextkit.config import ContextKitConfig
+
 from contextkit.engine.generate import Generation, SamplingParams, Stream
 from contextkit.engine.model import Engine
 from contextkit.models import Progress, prepare
-from contextkit.prompt import render_prompt
+from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.prompt import render_prompt, render_segments
+from contextkit.spans.assemble import SpanCache
 from contextkit.tokenizer import Tokenizer
-from contextkit.types import Evidence
+from contextkit.types import Evidence, Span
 
 
 def resolve_model_dir(config: ContextKitConfig, progress: Progress | None = None) -> Path:
@@ -39,6 +42,8 @@ class ContextKit:
         self.model_dir = resolve_model_dir(self.config, progress)
         self.engine = Engine.from_dir(self.model_dir, self.config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
+        # documents seen by this kit keep their KV here, reused at any position by later requests
+        self.spans = SpanCache(self.engine, tokenizer_fingerprint=self.tokenizer.fingerprint)
 
     def prompt_ids(
         self, question: str, documents: Sequence[Evidence | str] = (), system: str | None = None
@@ -46,15 +51,44 @@ class ContextKit:
         docs = [d if isinstance(d, Evidence) else Evidence(text=d) for d in documents]
         return render_prompt(self.tokenizer, question, docs, system)
 
+    def plan(
+        self,
+        question: str,
+        documents: Sequence[Evidence | str] = (),
+        system: str | None = None,
+        reuse: ReuseOptions | None = None,
+    ) -> RequestPlan:
+        """The request as spans: system prefix, one span per document, the question (computed in context)."""
+        docs = [d if isinstance(d, Evidence) else Evidence(text=d) for d in documents]
+        seg = render_segments(self.tokenizer, question, docs, system)
+        items = (
+            PlanItem(Span(seg.prefix, "system")),
+            *(PlanItem(Span(ids, "document", d.id or d.title)) for ids, d in zip(seg.documents, docs)),
+            PlanItem(Span(seg.suffix, "query"), reuse=False),
+        )
+        return RequestPlan(items, reuse or ReuseOptions())
+
     def stream(
         self,
         question: str,
         documents: Sequence[Evidence | str] = (),
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
+        reuse: ReuseOptions | None = None,
     ) -> Stream:
-        """Iterate over the returned Stream for text deltas; its ``result`` holds the Generation."""
-        return Stream(self.engine, self.tokenizer, self.prompt_ids(question, documents, system), params)
+        """Iterate over the returned Stream for text deltas; its ``result`` holds the Generation.
+
+        With ``reuse``, documents are spans: their KV is compiled once, kept in ``self.spans`` and
+        re-positioned into later requests, recomputing what ``reuse`` says (see ReuseOptions).
+        """
+        if reuse is None:
+            return Stream(self.engine, self.tokenizer, self.prompt_ids(question, documents, system), params)
+        plan = self.plan(question, documents, system, reuse)
+        asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
+        ids = [t for item in plan.items for t in item.span.token_ids]
+        stream = Stream(self.engine, self.tokenizer, ids, params, cache=asm.cache, first_logits=asm.logits)
+        stream.report = asm.report
+        return stream
 
     def generate(
         self,
@@ -62,11 +96,14 @@ class ContextKit:
         documents: Sequence[Evidence | str] = (),
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
+        reuse: ReuseOptions | None = None,
     ) -> Generation:
-        """Answer ``question`` over ``documents`` (full prefill; reuse arrives with the span cache)."""
-        stream = self.stream(question, documents, system, params)
+        """Answer ``question`` over ``documents``: full prefill, or span reuse per ``reuse``.
+
+        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
+        """
+        stream = self.stream(question, documents, system, params, reuse)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
-

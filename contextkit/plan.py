@@ -53,7 +53,9 @@ class ReuseOptions:
         ratio: fraction r of reused span tokens to recompute (kv_deviation, query_attention).
         fidelity_budget: instead of ``ratio`` (query_attention only): recompute until the estimated
             share of the query's attention that lands on stale KV is at most this.
-        first_k: tokens recomputed at the start of each span (first_k).
+        first_k: tokens recomputed at the start of each reused span, on top of any policy's choice
+            (alone with policy="first_k"): a span compiled alone makes its first tokens attention
+            sinks that the new context does not have.
         check_layer: the layer whose K deviation ranks tokens (kv_deviation).
         recompute_last_span: also recompute every token of the last reused span (Block-Attention).
         block_size: align span starts to this many slots (0 = off); the gap is masked padding.
@@ -61,9 +63,9 @@ class ReuseOptions:
     """
 
     policy: Policy = "query_attention"
-    ratio: float = 0.15
+    ratio: float = 0.1
     fidelity_budget: float | None = None
-    first_k: int = 0
+    first_k: int = 2
     check_layer: int = 1
     recompute_last_span: bool = False
     block_size: int = 0

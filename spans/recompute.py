@@ -82,15 +82,32 @@ def _top(candidates: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.
 
 
 def select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
-    """Slots of reused tokens to recompute under ``options`` (the cache holds the laid-out spans)."""
+    """Slots of reused tokens to recompute under ``options`` (the cache holds the laid-out spans).
+
+    ``options.first_k`` tokens at the start of every candidate span are added to any policy's choice:
+    a span compiled alone turns its first tokens into attention sinks that the new context lacks.
+    """
+    chosen = _select(engine, cache, layout, options)
+    if options.first_k and options.policy != "first_k":
+        extra = _first_k(layout, options.first_k)
+        chosen.slots = torch.cat([chosen.slots, extra]).unique()
+    return chosen
+
+
+def _first_k(layout: Layout, k: int) -> torch.Tensor:
+    cand = layout.candidates
+    picked = [s[:k] for s in layout.item_slots if s.numel() and bool(torch.isin(s, cand).all())]
+    return torch.cat(picked).sort().values if picked else cand[:0]
+
+
+def _select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
     cand = layout.candidates
     policy = options.policy
     if policy == "none" or cand.numel() == 0 or (options.ratio == 0 and options.fidelity_budget is None
                                                   and policy in ("kv_deviation", "query_attention")):
         return Selection(cand[:0])
     if policy == "first_k":
-        picked = [s[: options.first_k] for s in layout.item_slots if bool(torch.isin(s, cand).all()) and s.numel()]
-        return Selection(torch.cat(picked).sort().values if picked else cand[:0])
+        return Selection(_first_k(layout, options.first_k))
     if policy == "kv_deviation":
         layer = min(options.check_layer, engine.spec.num_layers - 1)
         before = cache.k[layer].clone()  # (Hkv, slots, D)

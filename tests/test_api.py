@@ -8,6 +8,7 @@ from pathlib import Path
 import contextkit
 
 PUBLIC = [
+    "Assembly", "PlanItem", "RequestPlan", "ReuseOptions", "ReuseReport", "Span", "SpanCache",
     "ConfigError", "ContextKit", "ContextKitConfig", "ContextKitError", "CorruptModelError", "EmptyInputError",
     "Engine", "Evidence", "Generation", "InputError", "KVCache", "KVCacheError", "ModelError",
     "ModelNotFoundError", "PromptTooLongError", "SamplingParams", "UnsupportedModelError", "__version__",
@@ -45,4 +46,13 @@ def test_facade_answers_over_evidence(smol_dir):
         params=contextkit.SamplingParams(max_new_tokens=16),
     )
     assert "red" in g.text.lower()
-    assert g.prompt_tokens > 10 and g.prefill_ms > 0
+    assert g.prompt_tokens > 10 and g.prefill_ms > 0 and g.reuse is None
+    docs = [contextkit.Evidence("The door of the house is painted bright red.", title="House"),
+            contextkit.Evidence("The garden behind the house has apple trees.", title="Garden")]
+    first = kit.generate("What colour is the door?", docs, params=contextkit.SamplingParams(max_new_tokens=16),
+                         reuse=contextkit.ReuseOptions())
+    again = kit.generate("What grows in the garden?", docs[::-1], params=contextkit.SamplingParams(max_new_tokens=16),
+                         reuse=contextkit.ReuseOptions())
+    assert first.reuse is not None and first.reuse.misses == 3  # system prefix + two documents compiled
+    assert again.reuse.hits == 3 and again.reuse.misses == 0  # reused, in another order
+    assert again.reuse.rerotated_tokens > 0 and again.text

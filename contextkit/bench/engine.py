@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from contextkit.bench.data import load_records, sample
+from contextkit.bench.metrics import kl_divergence
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats
 from contextkit.engine.model import Engine, parse_dtype
 from contextkit.kit import resolve_model_dir
@@ -66,12 +67,6 @@ class _HF:
     @torch.inference_mode()
     def decode(self, cache, token: int):
         return self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
-
-
-def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    p = p_logits.float().log_softmax(-1)
-    q = q_logits.float().log_softmax(-1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -141,7 +136,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             if name == "engine" and dt != "float32" and ("engine", "float32", L, 0) in last_logits:
                 pairs = [(last_logits[("engine", "float32", L, i)], last_logits[("engine", dt, L, i)])
                          for i in range(ctx.n)]
-                row["kl_vs_float32_p50"] = round(median([_kl(a, b) for a, b in pairs]), 6)
+                row["kl_vs_float32_p50"] = round(median([kl_divergence(a, b) for a, b in pairs]), 6)
                 row["top1_agreement_vs_float32"] = sum(int(a.argmax() == b.argmax()) for a, b in pairs) / ctx.n
             row["default"] = name == "engine" and dt == ctx.config.dtype and L == max(lengths)
             rows.append(row)

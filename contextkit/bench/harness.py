@@ -26,7 +26,11 @@ from contextkit.config import ContextKitConfig
 from contextkit.errors import ConfigError, InputError
 
 # name -> module that defines run(ctx, progress) -> BenchResult (and optionally plot(result, path))
-BENCHES = {"engine": "contextkit.bench.engine"}
+BENCHES = {
+    "engine": "contextkit.bench.engine",
+    "spans": "contextkit.bench.spans",
+    "rope": "contextkit.bench.rope",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ import torch
 from contextkit.engine.kvcache import KVCache
 from contextkit.engine.model import Engine
 from contextkit.errors import ConfigError, EmptyInputError, KVCacheError, PromptTooLongError
+from contextkit.plan import ReuseReport
 
 
 class Detokenizer(Protocol):
@@ -58,6 +59,7 @@ class Generation:
     prompt_tokens: int
     prefill_ms: float  # time to first token: prefill + first sample
     decode_ms_per_token: float  # mean over tokens after the first (0 if only one)
+    reuse: ReuseReport | None = None  # what span reuse did, when the prompt was assembled from spans
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -77,7 +79,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 class Stream:
-    """Iterate to get text deltas; afterwards ``result`` holds the full Generation."""
+    """Iterate to get text deltas; afterwards ``result`` holds the full Generation.
+
+    ``first_logits`` given: the prompt is already in ``cache`` (e.g. assembled from spans) and these
+    (1, vocab) logits predict the first token; ``prompt_ids`` are then only counted.
+    """
 
     def __init__(
         self,
@@ -88,8 +94,6 @@ class Stream:
         cache: KVCache | None = None,
         first_logits: torch.Tensor | None = None,
     ):
-        """``first_logits``: the prompt is already in ``cache`` (e.g. assembled from spans) and these
-        (1, vocab) logits predict the first token; ``prompt_ids`` are then only counted."""
         if first_logits is not None:
             if cache is None:
                 raise KVCacheError("first_logits needs the cache that holds the prompt")
@@ -99,6 +103,7 @@ class Stream:
                     f"{params.max_new_tokens}; assemble with more extra capacity"
                 )
         self.first_logits = first_logits
+        self.report: ReuseReport | None = None  # set by callers that assembled the prompt from spans
         if len(prompt_ids) == 0:
             raise EmptyInputError("the prompt is empty; pass at least one token")
         need = len(prompt_ids) + params.max_new_tokens
@@ -159,8 +164,9 @@ class Stream:
             token_ids=tuple(out),
             finish_reason=finish,
             prompt_tokens=len(self.prompt_ids),
-            prefill_ms=(t_first - t0) * 1e3,
+            prefill_ms=(t_first - t0) * 1e3 + (self.report.total_ms if self.report else 0.0),
             decode_ms_per_token=(t_end - t_first) * 1e3 / steps if steps else 0.0,
+            reuse=self.report,
         )
 
 
