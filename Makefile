@@ -28,6 +28,8 @@ test: venv
 
 bench: venv
 	$(BIN)/contextkit bench engine --n 3 --json $(BENCH)/engine.json --plot $(BENCH)/engine.png
+	$(BIN)/contextkit bench rope --n 3 --json $(BENCH)/rope.json --plot $(BENCH)/rope.png
+	$(BIN)/contextkit bench spans --n 50 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache

@@ -102,8 +102,4 @@ class ContextKit:
 
         The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
         """
-        stream = self.stream(question, documents, system, params, reuse)
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        return self.stream(question, documents, system, params, reuse).finish()

@@ -34,3 +34,32 @@ def test_bench_rejects_unknown_name_and_bad_data(tmp_path):
     bad.write_text('{"question": "q"}\n')
     proc = cli("bench", "engine", "--data", str(bad), "--n", "1", "--set", "lengths=32")
     assert proc.returncode == 2 and "passages" in proc.stderr
+
+
+def test_bench_spans_small_run(tmp_path, smol_dir):
+    out = tmp_path / "spans.json"
+    proc = cli("bench", "spans", "--n", "1", "--json", str(out), "--plot", str(tmp_path / "s.png"),
+               "--set", "decode_tokens=4", "--set", "min_tokens=300", "--set", "max_tokens=2100")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    for key in ("default_method", "speedup_vs_full", "kl_p50", "top1_agreement", "answer_f1_delta",
+                "max_speed_method", "max_speed_speedup", "max_speed_top1"):
+        assert key in s, key
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["full"]["kl_p50"] == 0 and rows["full"]["top1_agreement"] == 1
+    assert sum(r["default"] for r in result["rows"]) == 1
+    for r in result["rows"]:
+        for key in ("ttft_ms_p50", "ttft_ms_p90", "speedup_vs_full", "kl_p50", "kl_p90", "top1_agreement",
+                    "greedy_match_32", "answer_f1", "answer_em"):
+            assert key in r, (r["method"], key)
+    assert rows["reuse"]["speedup_vs_full"] > 1  # reusing compiled spans beats prefilling them
+
+
+def test_bench_rope_small_run(tmp_path, smol_dir):
+    out = tmp_path / "rope.json"
+    proc = cli("bench", "rope", "--n", "1", "--json", str(out), "--set", "tokens=256", "--set", "reps=3",
+               "--set", "dtypes=float32")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert s["rerotate_vs_copy"] > 0 and 0 < s["rerotate_fraction_of_prefill"] < 1

@@ -34,15 +34,16 @@ RATIOS = (0.05, 0.1, 0.15, 0.3)
 
 
 def methods(first_k: int) -> dict[str, ReuseOptions]:
-    out = {"full": ReuseOptions(policy="full"), "reuse": ReuseOptions(policy="none")}
+    """The compared configurations; "+ first 2" adds each span's first two tokens to the policy's pick."""
+    out = {"full": ReuseOptions(policy="full"), "reuse": ReuseOptions(policy="none", first_k=0)}
     for r in RATIOS:
-        out[f"query_attention r={r}"] = ReuseOptions(policy="query_attention", ratio=r)
+        out[f"query_attention r={r}"] = ReuseOptions(policy="query_attention", ratio=r, first_k=0)
     for r in RATIOS:
-        out[f"kv_deviation r={r}"] = ReuseOptions(policy="kv_deviation", ratio=r)
+        out[f"kv_deviation r={r}"] = ReuseOptions(policy="kv_deviation", ratio=r, first_k=0)
     out[f"first_k k={first_k}"] = ReuseOptions(policy="first_k", first_k=first_k)
     for r in (0.05, 0.1):
         out[f"query_attention r={r} + first 2"] = ReuseOptions(policy="query_attention", ratio=r, first_k=2)
-    out["query_attention budget=0.1"] = ReuseOptions(policy="query_attention", fidelity_budget=0.1)
+    out["query_attention budget=0.1"] = ReuseOptions(policy="query_attention", fidelity_budget=0.1, first_k=0)
     return out
 
 

@@ -170,6 +170,14 @@ class Stream:
         )
 
 
+    def finish(self) -> Generation:
+        """Run to the end (discarding deltas) and return the Generation."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
 def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
@@ -185,8 +193,4 @@ def generate(
 ) -> Generation:
     """Prefill ``prompt_ids`` (unless ``first_logits`` says they are in ``cache``) and decode until a
     stop token, a stop string or ``max_new_tokens``."""
-    stream = Stream(engine, tokenizer, prompt_ids, params, cache, first_logits)
-    for _ in stream:
-        pass
-    assert stream.result is not None
-    return stream.result
+    return Stream(engine, tokenizer, prompt_ids, params, cache, first_logits).finish()

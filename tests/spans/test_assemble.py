@@ -207,3 +207,16 @@ def test_gemma_spans_reposition_per_layer_geometry(gemma_dir, passage_text):
     engine.forward(alone, list(span), positions=torch.arange(start, start + len(span)), logits="none")
     laid = none.cache.k[:, :, start : start + len(span)]
     assert (laid - alone.k).abs().max().item() <= 1e-5 * alone.k.abs().max().item() * 100
+
+
+def test_prompt_cache_schema_positions(smol):
+    # Prompt Cache: a module pinned at a fixed schema position keeps that position whatever precedes it
+    _, _, cache, items, _, _ = smol
+    pinned = (items[0], items[1], dataclasses.replace(items[2], position=700), items[-1])
+    got = cache.assemble(RequestPlan(pinned, ReuseOptions(policy="none")))
+    start = len(items[0].span.token_ids) + len(items[1].span.token_ids)
+    n = len(items[2].span.token_ids)
+    assert got.cache.positions[start : start + n].tolist() == list(range(700, 700 + n))
+    q = len(items[-1].span.token_ids)
+    assert got.cache.positions[start + n : start + n + q].tolist() == list(range(700 + n, 700 + n + q))
+    assert got.report.recomputed_tokens == 0
