@@ -65,7 +65,7 @@ def test_ratio_one_equals_full_prefill(smol, policy):
 
 def test_reuse_without_recompute_is_close_and_accounted(smol):
     _, _, cache, items, full, _ = smol
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none")))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     r = got.report
     spans = sum(len(it.span.token_ids) for it in items if it.reuse)
     assert r.reused_tokens == spans and r.recomputed_tokens == 0
@@ -73,7 +73,7 @@ def test_reuse_without_recompute_is_close_and_accounted(smol):
     assert r.hits + r.misses == len(items) - 1
     assert r.rerotated_tokens == spans - len(items[0].span.token_ids)
     assert 0 < _kl(full.logits[0], got.logits[0]) < 1.0  # approximate, but not garbage
-    again = cache.assemble(RequestPlan(items, ReuseOptions(policy="none")))
+    again = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     assert again.report.misses == 0 and again.report.compiled_tokens == 0
     assert torch.equal(again.logits, got.logits)
 
@@ -82,9 +82,9 @@ def test_recompute_reduces_divergence(smol):
     _, _, cache, items, full, _ = smol
     kl = {}
     for name, opts in {
-        "none": ReuseOptions(policy="none"),
-        "qa30": ReuseOptions(policy="query_attention", ratio=0.3),
-        "kv30": ReuseOptions(policy="kv_deviation", ratio=0.3),
+        "none": ReuseOptions(policy="none", first_k=0),
+        "qa30": ReuseOptions(policy="query_attention", ratio=0.3, first_k=0),
+        "kv30": ReuseOptions(policy="kv_deviation", ratio=0.3, first_k=0),
         "first8": ReuseOptions(policy="first_k", first_k=8),
     }.items():
         kl[name] = _kl(full.logits[0], cache.assemble(RequestPlan(items, opts)).logits[0])
@@ -95,7 +95,7 @@ def test_reused_keys_equal_span_prefilled_at_its_new_positions(smol):
     # Re-positioning is exact: a span compiled at 0 and laid at position p holds the KV that
     # prefilling the span alone at p..p+n gives (no recompute, layer by layer).
     engine, _, cache, items, _, _ = smol
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none")))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     span = items[3].span.token_ids
     start = sum(len(it.span.token_ids) for it in items[:3])
     alone = engine.new_cache(len(span))
@@ -108,7 +108,7 @@ def test_reused_keys_equal_span_prefilled_at_its_new_positions(smol):
 def test_prompt_depend_chain_is_exact_without_recompute(smol):
     _, tok, cache, _, full, passages = smol
     items = _plan_items(tok, passages, "Which of these people was born first?", depend=True)
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none")))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     assert (got.logits - full.logits).abs().max().item() <= TOL
 
 
@@ -123,7 +123,7 @@ def test_block_alignment_pads_without_changing_the_result(smol):
 def test_separators_and_last_span_recompute(smol):
     _, tok, cache, items, full, _ = smol
     sep = tuple(tok.encode("\n"))
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", separator=sep, recompute_last_span=True)))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0, separator=sep, recompute_last_span=True)))
     r = got.report
     assert r.prefilled_tokens == len(items[-1].span.token_ids) + len(sep) * (len(items) - 2)
     assert r.recomputed_tokens == len(items[-2].span.token_ids)
@@ -200,7 +200,7 @@ def test_gemma_spans_reposition_per_layer_geometry(gemma_dir, passage_text):
     full = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")))
     exact = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=1.0)))
     assert (exact.logits - full.logits).abs().max().item() <= TOL
-    none = cache.assemble(RequestPlan(items, ReuseOptions(policy="none")))
+    none = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     span = items[2].span.token_ids
     start = sum(len(it.span.token_ids) for it in items[:2])
     alone = engine.new_cache(len(span))
@@ -213,10 +213,21 @@ def test_prompt_cache_schema_positions(smol):
     # Prompt Cache: a module pinned at a fixed schema position keeps that position whatever precedes it
     _, _, cache, items, _, _ = smol
     pinned = (items[0], items[1], dataclasses.replace(items[2], position=700), items[-1])
-    got = cache.assemble(RequestPlan(pinned, ReuseOptions(policy="none")))
+    got = cache.assemble(RequestPlan(pinned, ReuseOptions(policy="none", first_k=0)))
     start = len(items[0].span.token_ids) + len(items[1].span.token_ids)
     n = len(items[2].span.token_ids)
     assert got.cache.positions[start : start + n].tolist() == list(range(700, 700 + n))
     q = len(items[-1].span.token_ids)
     assert got.cache.positions[start + n : start + n + q].tolist() == list(range(700 + n, 700 + n + q))
     assert got.report.recomputed_tokens == 0
+
+
+def test_default_adds_span_starts_to_the_policy_choice(smol):
+    _, _, cache, items, _, _ = smol
+    got = cache.assemble(RequestPlan(items, ReuseOptions()))  # query_attention r=0.1 + first 2
+    slots = set(got.report.recomputed_slots)
+    start = len(items[0].span.token_ids)  # the exact system prefix is never recomputed
+    for it in items[1:-1]:
+        assert {start, start + 1} <= slots
+        start += len(it.span.token_ids)
+    assert not slots & set(range(len(items[0].span.token_ids)))
