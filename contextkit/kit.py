@@ -11,6 +11,7 @@ from contextkit.config import ContextKitConfig
 
 from contextkit.engine.generate import Generation, SamplingParams, Stream
 from contextkit.engine.model import Engine
+from contextkit.kernels.rerotate import Rerotator
 from contextkit.models import Progress, prepare
 from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.prompt import render_prompt, render_segments
@@ -43,7 +44,11 @@ class ContextKit:
         self.engine = Engine.from_dir(self.model_dir, self.config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
         # documents seen by this kit keep their KV here, reused at any position by later requests
-        self.spans = SpanCache(self.engine, tokenizer_fingerprint=self.tokenizer.fingerprint)
+        self.spans = SpanCache(
+            self.engine,
+            rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
+            tokenizer_fingerprint=self.tokenizer.fingerprint,
+        )
 
     def prompt_ids(
         self, question: str, documents: Sequence[Evidence | str] = (), system: str | None = None
