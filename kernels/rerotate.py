@@ -61,8 +61,8 @@ class _CpuKernel:
     FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
     def __init__(self, build_dir: Path):
-        cc = shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc")
-        cc = cc or shutil.which("gcc") or shutil.which("cc")
+        configured = (sysconfig.get_config_var("CC") or "").split()[:1]  # the compiler Python was built with
+        cc = next((path for name in [*configured, "gcc", "cc"] if (path := shutil.which(name))), None)
         if cc is None:
             raise RuntimeError("no C compiler found (install gcc) for the fused CPU re-rotation kernel")
         src = _SOURCE.read_bytes()

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from contextkit.errors import ConfigError
-from contextkit.spans.key import SpanKey
+from contextkit.spans.key import SpanKey, token_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +45,6 @@ class CompiledSpan:
             return f"shape mismatch {tuple(self.k.shape)} / {tuple(self.v.shape)}"
         if str(self.k.dtype).removeprefix("torch.") != key.identity.dtype:
             return f"dtype {self.k.dtype} != {key.identity.dtype}"
-        from contextkit.spans.key import token_digest
-
         if token_digest(self.token_ids) != key.tokens:
             return "token ids do not match the key"
         return None
