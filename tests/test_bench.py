@@ -39,7 +39,7 @@ def test_bench_rejects_unknown_name_and_bad_data(tmp_path):
 def test_bench_spans_small_run(tmp_path, smol_dir):
     out = tmp_path / "spans.json"
     proc = cli("bench", "spans", "--n", "1", "--json", str(out), "--plot", str(tmp_path / "s.png"),
-               "--set", "decode_tokens=4", "--set", "min_tokens=300", "--set", "max_tokens=2100")
+               "--set", "decode_tokens=4", "--set", "min_tokens=100", "--set", "max_tokens=2100")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     s = result["summary"]
@@ -54,6 +54,8 @@ def test_bench_spans_small_run(tmp_path, smol_dir):
                     "greedy_match_32", "answer_f1", "answer_em"):
             assert key in r, (r["method"], key)
     assert rows["reuse"]["speedup_vs_full"] > 1  # reusing compiled spans beats prefilling them
+    proc = cli("bench", "spans", "--n", "1", "--set", "min_tokens=90000")
+    assert proc.returncode == 2 and "min_tokens" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bench_rope_small_run(tmp_path, smol_dir):

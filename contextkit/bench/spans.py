@@ -22,6 +22,7 @@ from contextkit.bench.data import load_records, sample
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence
 from contextkit.engine.generate import SamplingParams, generate
+from contextkit.errors import InputError
 from contextkit.engine.model import Engine
 from contextkit.kit import resolve_model_dir
 from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
@@ -77,7 +78,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         if len(chosen) == ctx.n:
             break
     if not chosen:
-        raise ValueError(f"no question renders to {min_tokens}..{max_tokens} tokens; widen --set min_tokens/max_tokens")
+        raise InputError(
+            f"no question renders to {min_tokens}..{max_tokens} tokens; widen --set min_tokens=/max_tokens="
+        )
     tick(total=len(chosen) * (len(table) + 1))
 
     per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
