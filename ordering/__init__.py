@@ -1,1 +1,2 @@
-"""Evidence ordering for prefix caches (prefix tree over served sequences, greedy walk, oracle). Touches no tensors."""
+"""Evidence ordering for prefix caches: prefix tree over served sequences (tree.py), greedy walk and
+oracle (weaver.py). Touches no tensors."""

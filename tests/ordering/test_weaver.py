@@ -1,0 +1,154 @@
+"""Prefix-tree ordering: tree invariants, greedy vs exact oracle, tenants, bounds, bad input, threads."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from contextkit.errors import ConfigError, InputError
+from contextkit.ordering.tree import PrefixTree
+from contextkit.ordering.weaver import MAX_K, Doc, Weaver, oracle, reusable, search
+
+
+def _docs(ids, tokens=100):
+    return [Doc(str(i), tokens if isinstance(tokens, int) else tokens[k]) for k, i in enumerate(ids)]
+
+
+def test_served_set_in_a_new_order_is_restored_and_fully_reusable():
+    w = Weaver(block_size=1)
+    first = w.order(_docs("abc"))
+    assert first.order == (0, 1, 2) and first.reusable_tokens == 0  # nothing served yet: retrieval order
+    again = w.order(_docs("cab"))  # same set, retrieved in another order
+    assert [("cab")[i] for i in again.order] == list("abc")
+    assert again.reusable_tokens == 300 and again.matched_docs == 3
+
+
+def test_order_is_a_permutation_and_rest_keeps_retrieval_order():
+    w = Weaver(block_size=1)
+    w.order(_docs("xy"))
+    got = w.order(_docs("qyzxw"))
+    assert sorted(got.order) == list(range(5))
+    assert ["qyzxw"[i] for i in got.order] == ["x", "y", "q", "z", "w"]
+
+
+def test_reuse_counts_whole_blocks():
+    w = Weaver(block_size=32)
+    w.order(_docs("ab", tokens=[50, 30]))
+    got = w.order(_docs("ab", tokens=[50, 30]))
+    assert got.reusable_tokens == 64  # 80 tokens -> 2 whole blocks of 32
+    changed = w.order(_docs("ab", tokens=[51, 30]))  # a changed document is a different prefix
+    assert changed.reusable_tokens == 0
+
+
+def _random_tree(rng: random.Random, ids: str, n: int) -> PrefixTree:
+    tree = PrefixTree()
+    for _ in range(n):
+        seq = rng.sample(ids, rng.randint(1, 5))
+        tree.insert((d, rng.choice([20, 40, 90, 200])) for d in seq)
+    return tree
+
+
+def test_exact_search_equals_brute_force_oracle():
+    rng = random.Random(0)
+    for trial in range(60):
+        tree = _random_tree(rng, "abcdefgh", 12)
+        tokens = {}
+        stack = list(tree.root.children.values())
+        while stack:  # give the request the lengths the tree knows (else nothing can match)
+            n = stack.pop()
+            tokens.setdefault(n.doc_id, n.tokens)
+            stack.extend(n.children.values())
+        ids = rng.sample("abcdefgh", rng.randint(1, 6))
+        docs = [Doc(i, tokens.get(i, 10)) for i in ids]
+        brute_order, brute = oracle(tree, docs, block_size=16)
+        order, best = search(tree, docs, block_size=16)
+        assert best == brute, trial
+        assert reusable(tree, [docs[i] for i in order], 16)[0] == best
+
+
+def test_greedy_never_beats_the_oracle_and_can_lose_to_it():
+    rng = random.Random(1)
+    for _ in range(40):
+        tree = _random_tree(rng, "abcdef", 10)
+        w = Weaver(block_size=1)
+        w._trees[""] = tree
+        docs = [Doc(i, 20) for i in rng.sample("abcdef", 5)]
+        _, best = oracle(tree, docs, block_size=1)
+        assert w.order(docs, record=False).reusable_tokens <= best
+    # a light first node hides a heavy path: greedy takes the heavy first node, the oracle the path
+    tree = PrefixTree()
+    tree.insert([("a", 10), ("b", 500)])
+    tree.insert([("c", 100)])
+    w = Weaver(block_size=1)
+    w._trees[""] = tree
+    docs = [Doc("a", 10), Doc("b", 500), Doc("c", 100)]
+    assert w.order(docs, record=False).reusable_tokens == 100
+    assert oracle(tree, docs, block_size=1)[1] == 510
+
+
+def test_tenants_never_share_orders():
+    w = Weaver(block_size=1)
+    w.order(_docs("abc"), tenant="t1")
+    other = w.order(_docs("cab"), tenant="t2")
+    assert other.order == (0, 1, 2) and other.reusable_tokens == 0
+    assert w.order(_docs("cab"), tenant="t1").reusable_tokens == 300
+
+
+def test_tree_stays_within_its_bound_under_a_long_random_stream():
+    rng = random.Random(2)
+    tree = PrefixTree(max_nodes=500)
+    for _ in range(5000):
+        tree.insert((str(rng.randrange(2000)), 64) for _ in range(rng.randint(1, 10)))
+        assert tree.size <= 500
+    assert tree.size == sum(1 for _ in tree._nodes())
+
+
+def test_recent_sequences_survive_eviction():
+    tree = PrefixTree(max_nodes=10)
+    for i in range(20):
+        tree.insert([(f"old{i}", 10)])
+    tree.insert([("new", 10), ("newer", 10)])
+    assert [n.doc_id for n in tree.walk(["new", "newer"])] == ["new", "newer"]
+
+
+def test_bad_input():
+    w = Weaver()
+    with pytest.raises(InputError, match="twice"):
+        w.order([Doc("a", 1), Doc("a", 1)])
+    with pytest.raises(InputError, match="at most"):
+        w.order([Doc(str(i), 1) for i in range(MAX_K + 1)])
+    with pytest.raises(InputError, match="negative"):
+        w.order([Doc("a", -1)])
+    empty = w.order([])
+    assert empty.order == () and empty.reusable_tokens == 0
+    with pytest.raises(ConfigError):
+        Weaver(block_size=0)
+    with pytest.raises(ConfigError):
+        PrefixTree(max_nodes=0)
+
+
+def test_concurrent_orders_from_many_threads():
+    w = Weaver(block_size=16, max_nodes=300)
+    errors = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                ids = rng.sample(range(60), 8)
+                got = w.order([Doc(str(i), 64) for i in ids], tenant=str(seed % 2))
+                assert sorted(got.order) == list(range(8))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for tenant in ("0", "1"):
+        tree = w.tree(tenant)
+        assert tree.size <= 300 and tree.size == sum(1 for _ in tree._nodes())
