@@ -164,19 +164,16 @@ class SpanCache:
         # 2. lay them out at their new positions; everything else starts as masked padding
         t0 = time.perf_counter()
         cache.segments[:n_slots] = PAD_SEGMENT
-        cache.length = n_slots
         rerotated = 0
         for p, i in zip(placed, owner):
             if p.reuse and i >= 0:
                 write_span(engine, cache, compiled[i], p.slot, p.position, i, self.rerotator)
                 rerotated += len(p.ids) if p.position else 0
         rerotate_ms = (time.perf_counter() - t0) * 1e3
-        # the query's slots are appended by the final forward: the cache ends at the first computed run
-        # after the last reused span
+        # the query's slots are appended by the final forward: the filled cache ends where it starts
+        # (its positions are still -1 from allocation)
         layout = self._index(plan, placed, owner)
-        first_query = int(layout.query.min())
-        cache.length = first_query
-        cache.positions[first_query:n_slots] = -1
+        cache.length = int(layout.query.min())
 
         # 3. choose what to recompute
         t0 = time.perf_counter()

@@ -114,9 +114,8 @@ def _select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOption
         ctx = ~torch.isin(layout.slots, layout.query)
         engine.forward(cache, layout.ids[ctx], positions=layout.positions[ctx], slots=layout.slots[ctx],
                        stop_after=layer + 1)
-        deviation = torch.zeros(cache.capacity)
-        deviation[: cache.length] = (cache.k[layer, :, : cache.length] - before[:, : cache.length]).float() \
-            .norm(dim=-1).sum(0)
+        end = cache.length  # every candidate slot is below it
+        deviation = (cache.k[layer, :, :end] - before[:, :end]).float().norm(dim=-1).sum(0)  # (end,)
         return Selection(_top(cand, deviation, options.ratio))
     if policy == "query_attention":
         length = cache.length

@@ -89,6 +89,11 @@ class KVCache:
 PAD_SEGMENT = -1  # slots left empty by block-aligned padding: never attended to
 
 
+def causal_mask(q_slots: torch.Tensor, end: int) -> torch.Tensor:
+    """(len(q_slots), end) bool: each query slot sees key slots up to and including its own."""
+    return torch.arange(end)[None, :] <= q_slots[:, None]
+
+
 def attention_mask(
     cache: KVCache, q_slots: torch.Tensor, end: int, attend: Attend | None, window: int | None
 ) -> torch.Tensor | None:
@@ -107,7 +112,7 @@ def attention_mask(
             return None  # is_causal fast path
         if n == 1 and int(q_slots[0]) == end - 1:
             return None  # one query sees everything before it
-    causal = k_slots[None, :] <= q_slots[:, None]
+    causal = causal_mask(q_slots, end)
     if attend is None:
         allowed = causal
     else:

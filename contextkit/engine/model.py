@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.kvcache import Attend, KVCache, attention_mask
+from contextkit.engine.kvcache import Attend, KVCache, attention_mask, causal_mask
 from contextkit.engine.spec import ModelSpec, load_spec
 from contextkit.engine.weights import Weights, load_weights
 from contextkit.errors import ConfigError, KVCacheError, PromptTooLongError
@@ -247,14 +247,14 @@ class Engine:
                 if mask is not None:
                     mask = mask[keep]
                 elif is_causal:  # the fast path's implicit mask, made explicit for the kept rows
-                    mask, is_causal = torch.arange(end)[None, :] <= q_at[:, None], False
+                    mask, is_causal = causal_mask(q_at, end), False
             q = q.reshape(rows, s.num_heads, s.head_dim)
             if lw.q_norm is not None:
                 q = lw.q_norm(q)
             q = apply_rope(q.transpose(0, 1), cos, sin, layer.rope.layout)  # (H, rows, D)
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]  # (Hkv, T, D)
             if probe is not None and i in probe.layers:
-                explicit = torch.arange(end)[None, :] <= q_at[:, None] if is_causal else mask
+                explicit = causal_mask(q_at, end) if is_causal else mask
                 probe.observe(i, q, keys, explicit, s.attn_scale)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(0),
