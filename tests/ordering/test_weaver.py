@@ -152,3 +152,20 @@ def test_concurrent_orders_from_many_threads():
     for tenant in ("0", "1"):
         tree = w.tree(tenant)
         assert tree.size <= 300 and tree.size == sum(1 for _ in tree._nodes())
+
+
+def test_tenant_names_must_be_valid_cache_salts():
+    w = Weaver()
+    for bad in ("a/b", "x@y", "back\\slash", "nul\x00", "t" * 129):
+        with pytest.raises(InputError, match="cache_salt"):
+            w.order(_docs("ab"), tenant=bad)
+    assert w.order(_docs("ab"), tenant="never-seen-before").reusable_tokens == 0  # unknown: empty tree
+
+
+def test_greedy_lookup_ignores_tree_paths_outside_the_request():
+    w = Weaver(block_size=1)
+    for i in range(200):  # many unrelated first documents at the root
+        w.order([Doc(f"noise{i}", 10)])
+    w.order(_docs("abc"))
+    got = w.order(_docs("bca"))
+    assert ["bca"[i] for i in got.order] == list("abc") and got.matched_docs == 3

@@ -1,0 +1,229 @@
+"""``contextkit bench ordering``: the same RAG request stream sent to a real vLLM server (prefix caching
+on) once per ordering policy, measuring TTFT, prompt tokens served from the server's cache, ordering
+overhead and answer quality.
+
+Policies: ``retrieval`` (the retriever's order: the baseline), ``weaver`` (greedy walk of the prefix
+tree), ``weaver+aligned`` (the same, every document padded to the engine's block size), ``oracle``
+(the best order the same tree allows, found exactly). Before each policy the server's prefix cache is
+emptied (``POST /reset_prefix_cache``; the server this bench starts runs in dev mode). On a server that
+refuses it, each policy gets its own cache salt instead, which isolates it just as well.
+
+Each request is rendered to token ids the way ``contextkit.prompt`` renders them (chat template prefix,
+one separately tokenized block per document, question) and sent as a token-id prompt, streaming, greedy,
+with the tenant as vLLM's ``cache_salt``.
+
+Options (``--set KEY=VALUE``): ``k`` (10), ``block_size`` (32, vLLM's on CPU), ``max_tokens`` (24),
+``policies`` (comma list), ``tree_sequences`` (10000: size of the tree for the overhead measurement).
+``--upstream URL`` uses a running server; ``--trace FILE`` replays a trace; ``--write-trace FILE``.
+
+Summary: ``ttft_reduction_vs_retrieval`` (1 - weaver TTFT p50 / retrieval TTFT p50);
+``share_of_oracle_gain`` (weaver's extra cached prompt tokens over retrieval order as a fraction of the
+oracle's, from the server's own ``cached_tokens``; ``share_of_oracle_ttft_gain`` is the same on median
+TTFT, noisier); ``answer_f1_delta`` (weaver minus retrieval, F1 in points of 100);
+``overhead_us_p50`` (one ``order`` call at k documents with ``tree_sequences`` sequences in the tree).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, timing_stats
+from contextkit.bench.metrics import answer_em, answer_f1
+from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace, write_trace
+from contextkit.errors import ConfigError
+from contextkit.integrations.openai_client import CompletionClient
+from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
+from contextkit.models import prepare
+from contextkit.ordering.align import align, pad_to_block
+from contextkit.ordering.weaver import Doc, Weaver, oracle
+from contextkit.prompt import render_segments
+from contextkit.tokenizer import Tokenizer
+from contextkit.types import Evidence
+
+POLICIES = ("retrieval", "weaver", "weaver+aligned", "oracle")
+
+
+def load_stream(ctx: BenchContext, k: int) -> list[TraceRequest]:
+    trace = ctx.option("trace", None)
+    if trace:
+        requests = read_trace(Path(trace))[: ctx.n]
+    else:
+        from contextkit.bench.data import load_records
+        from contextkit.bench.retrieval import Retriever, passage_pool
+
+        records = load_records(ctx.data)
+        retriever = Retriever(passage_pool(records), ctx.config.cache_dir)
+        requests = generate(records, retriever, WorkloadSpec(requests=ctx.n, k=k, seed=ctx.seed))
+    out = ctx.option("write_trace", None)
+    if out:
+        write_trace(requests, Path(out))
+    return requests
+
+
+class Renderer:
+    """Token ids for a request in a given order; documents are tokenized once and reused by id."""
+
+    def __init__(self, tokenizer: Tokenizer, block_size: int):
+        self.tok = tokenizer
+        self.block_size = block_size
+        self.pad_id = tokenizer.encode("\n")[-1]  # a blank line: the least intrusive filler we can send
+        self._docs: dict[str, tuple[int, ...]] = {}
+        self._frame: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def doc_tokens(self, req: TraceRequest) -> list[tuple[int, ...]]:
+        missing = [d for d in req.documents if d.id not in self._docs]
+        if missing or req.question not in self._frame:
+            seg = render_segments(self.tok, req.question, [Evidence(d.text, d.title or None, d.id) for d in req.documents])
+            self._frame[req.question] = (seg.prefix, seg.suffix)
+            for d, ids in zip(req.documents, seg.documents):
+                self._docs.setdefault(d.id, ids)
+        return [self._docs[d.id] for d in req.documents]
+
+    def ids(self, req: TraceRequest, order: tuple[int, ...], aligned: bool) -> tuple[list[int], int]:
+        docs = self.doc_tokens(req)
+        prefix, suffix = self._frame[req.question]
+        ordered = [docs[i] for i in order]
+        if aligned:
+            a = align(prefix, ordered, self.block_size, self.pad_id)
+            return a.ids(suffix), a.padding
+        return [*prefix, *(t for d in ordered for t in d), *suffix], 0
+
+
+def overhead_us(requests: list[TraceRequest], renderer: Renderer, sequences: int, block_size: int, seed: int) -> list[float]:
+    """Per-call ``Weaver.order`` time with ``sequences`` served sequences in the tree (one tenant)."""
+    rng = random.Random(seed)
+    weaver = Weaver(block_size=block_size, max_nodes=max(100_000, sequences * 12))
+    lengths = [[len(t) for t in renderer.doc_tokens(r)] for r in requests]
+    pool = [[Doc(d.id, n) for d, n in zip(r.documents, ls)] for r, ls in zip(requests, lengths)]
+    for _ in range(sequences):  # served sequences: the stream's sets in shuffled orders
+        docs = list(rng.choice(pool))
+        rng.shuffle(docs)
+        weaver.order(docs)
+    samples = []
+    for docs in pool * max(1, 2000 // len(pool)):
+        t0 = time.perf_counter()
+        weaver.order(docs)  # recording included: a server records every request it orders
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return samples
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    k = ctx.option("k", 10, int)
+    block = ctx.option("block_size", 32, int)
+    max_tokens = ctx.option("max_tokens", 24, int)
+    policies = ctx.option("policies", ",".join(POLICIES)).split(",")
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise ConfigError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    requests = load_stream(ctx, k)
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    renderer = Renderer(Tokenizer(model_dir), block)
+    upstream = ctx.option("upstream", "")
+    server = None
+    if not upstream:
+        server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+                                             log_file=ctx.config.cache_dir / "logs" / "bench-ordering-vllm.log"))
+        (ctx.config.cache_dir / "logs").mkdir(parents=True, exist_ok=True)
+        tick("starting vLLM")
+        server.start()
+        upstream = server.url
+    rows, per_policy = [], {}
+    tick(total=len(policies) * len(requests))
+    try:
+        client = CompletionClient(upstream, served_model(upstream))
+        probe = renderer.doc_tokens(requests[0])[0]
+        text = renderer.tok.decode(probe)
+        if client.tokenize(text)[: len(probe) // 2] != list(probe[: len(probe) // 2]):
+            raise ConfigError(f"{upstream} tokenizes differently from {ctx.config.model}; pass --model for the served model")
+        for p_i, policy in enumerate(policies):
+            isolated = reset_prefix_cache(upstream)
+            run_salt = "" if isolated else f"-{policy.replace('+', '_')}-{uuid.uuid4().hex[:8]}"
+            weaver = Weaver(block_size=block)
+            before = client.metrics()
+            rec = []
+            for req in requests:
+                lengths = [len(t) for t in renderer.doc_tokens(req)]
+                aligned = policy == "weaver+aligned"
+                docs = [Doc(d.id, len(pad_to_block(range(n), block, 0)) if aligned else n)
+                        for d, n in zip(req.documents, lengths)]
+                t0 = time.perf_counter()
+                if policy == "retrieval":
+                    order, expect = tuple(range(len(docs))), None
+                elif policy == "oracle":
+                    tree = weaver.tree(req.tenant)
+                    order, expect = oracle(tree, docs, block)
+                    tree.insert((docs[i].id, docs[i].tokens) for i in order)
+                else:
+                    res = weaver.order(docs, req.tenant)
+                    order, expect = res.order, res.reusable_tokens
+                over = (time.perf_counter() - t0) * 1e6
+                ids, padding = renderer.ids(req, order, aligned)
+                salt = (req.tenant + run_salt) if (req.tenant or run_salt) else None
+                c = client.complete(ids, max_tokens=max_tokens, cache_salt=salt, stop=("\n",))
+                rec.append(dict(ttft=c.ttft_ms, cached=c.cached_tokens or 0, prompt=c.prompt_tokens,
+                                padding=padding, overhead=over, expect=expect, answers=req.answers, text=c.text))
+                tick(f"{policy}: {len(rec)}/{len(requests)}")
+            after = client.metrics()
+            per_policy[policy] = rec
+            qa = [r for r in rec if r["answers"]]
+            hits = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+            queries = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+            rows.append({
+                "policy": policy,
+                **timing_stats("ttft_ms", [r["ttft"] for r in rec]),
+                "cached_tokens_mean": round(statistics.mean(r["cached"] for r in rec), 1),
+                "prompt_tokens_mean": round(statistics.mean(r["prompt"] for r in rec), 1),
+                "cached_share": round(sum(r["cached"] for r in rec) / max(1, sum(r["prompt"] for r in rec)), 4),
+                "server_hit_rate": round(hits / queries, 4) if queries else None,
+                "padding_tokens_mean": round(statistics.mean(r["padding"] for r in rec), 1),
+                "overhead_us_p50": round(percentile([r["overhead"] for r in rec], 50), 1),
+                "answer_f1": round(100 * statistics.mean(answer_f1(r["text"], r["answers"]) for r in qa), 2) if qa else None,
+                "answer_em": round(100 * statistics.mean(answer_em(r["text"], r["answers"]) for r in qa), 2) if qa else None,
+                "requests": len(rec),
+                "isolated_by": "reset_prefix_cache" if isolated else "cache_salt",
+                "default": policy == "weaver",
+            })  # fmt: skip
+    finally:
+        if server is not None:
+            server.stop()
+    over = overhead_us(requests, renderer, ctx.option("tree_sequences", 10_000, int), block, ctx.seed)
+    by = {r["policy"]: r for r in rows}
+    summary: dict = {"overhead_us_p50": round(percentile(over, 50), 1),
+                     "overhead_us_p99": round(percentile(over, 99), 1),
+                     "requests": len(requests), "qa_requests": sum(1 for r in requests if r.answers)}
+    if "retrieval" in by and "weaver" in by:
+        base, w = by["retrieval"], by["weaver"]
+        summary["ttft_reduction_vs_retrieval"] = round(1 - w["ttft_ms_p50"] / base["ttft_ms_p50"], 4)
+        if w["answer_f1"] is not None and base["answer_f1"] is not None:
+            summary["answer_f1_delta"] = round(w["answer_f1"] - base["answer_f1"], 2)
+        if "oracle" in by:
+            o = by["oracle"]
+            gain = o["cached_tokens_mean"] - base["cached_tokens_mean"]
+            summary["share_of_oracle_gain"] = round((w["cached_tokens_mean"] - base["cached_tokens_mean"]) / gain, 4) if gain > 0 else None
+            tgain = base["ttft_ms_p50"] - o["ttft_ms_p50"]
+            summary["share_of_oracle_ttft_gain"] = round((base["ttft_ms_p50"] - w["ttft_ms_p50"]) / tgain, 4) if tgain > 0 else None
+        if "weaver+aligned" in by:
+            summary["aligned_ttft_vs_weaver"] = round(by["weaver+aligned"]["ttft_ms_p50"] / w["ttft_ms_p50"], 4)
+    config = {"k": k, "block_size": block, "max_tokens": max_tokens, "policies": policies,
+              "upstream": ctx.option("upstream", "") or "started by the bench",
+              "trace": ctx.option("trace", None), "n": ctx.n, "seed": ctx.seed}
+    return BenchResult("ordering", config, rows, summary)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["policy"] for r in result.rows]
+    ax[0].bar(names, [r["ttft_ms_p50"] for r in result.rows])
+    ax[0].set_ylabel("TTFT p50 (ms)")
+    ax[1].bar(names, [r["cached_share"] for r in result.rows])
+    ax[1].set_ylabel("prompt tokens served from cache")
+    for a in ax:
+        a.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

