@@ -164,7 +164,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 ids, padding = renderer.ids(req, order, aligned)
                 salt = (req.tenant + run_salt) if (req.tenant or run_salt) else None
                 c = client.complete(ids, max_tokens=max_tokens, cache_salt=salt, stop=("\n",))
-                rec.append(dict(ttft=c.ttft_ms, cached=c.cached_tokens or 0, prompt=c.prompt_tokens,
+                rec.append(dict(reordered=order != tuple(range(len(docs))), ttft=c.ttft_ms, cached=c.cached_tokens or 0, prompt=c.prompt_tokens,
                                 padding=padding, overhead=over, expect=expect, answers=req.answers, text=c.text))
                 tick(f"{policy}: {len(rec)}/{len(requests)}")
             after = client.metrics()
@@ -179,6 +179,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 "prompt_tokens_mean": round(statistics.mean(r["prompt"] for r in rec), 1),
                 "cached_share": round(sum(r["cached"] for r in rec) / max(1, sum(r["prompt"] for r in rec)), 4),
                 "server_hit_rate": round(hits / queries, 4) if queries else None,
+                "reordered_share": round(statistics.mean(r["reordered"] for r in rec), 4),
                 "padding_tokens_mean": round(statistics.mean(r["padding"] for r in rec), 1),
                 "overhead_us_p50": round(percentile([r["overhead"] for r in rec], 50), 1),
                 "answer_f1": round(100 * statistics.mean(answer_f1(r["text"], r["answers"]) for r in qa), 2) if qa else None,

@@ -4,14 +4,14 @@ How the stream is built (``generate``), all from a multihop-shaped file and one 
 - Topics are the file's questions, in a seeded random popularity order; a session picks its topic with a
   Zipf law (weight 1/rank^s, ``zipf_s``), so popular topics, and their documents, recur across
   sessions and tenants.
-- A session asks the topic's question, then ``followups`` more turns (geometric, mean ``mean_followups``).
-  A follow-up names one of the topic's passages ("What else do the documents say about <title>?") and
-  is retrieved the way conversational RAG retrieves: the previous question plus the new entity. Its
-  top-k overlaps the first turn's, ranked differently; that is the reuse ordering can recover.
+- A session asks the topic's question, then more turns (geometric, mean ``mean_followups``) that refine
+  the same information need with one of the topic's entities, the way a user narrows a search: the
+  retrieval query is the question plus a passage title, the prompt asks the question again. A follow-up's
+  top-k overlaps the first turn's, ranked differently; that is the reuse ordering can recover, and since
+  every turn keeps the gold answers, answer quality is scored on exactly the reordered requests.
 - Up to ``active_sessions`` sessions are open at once and their turns interleave in arrival order.
 - Each session belongs to one of ``tenants`` tenants. Every request retrieves its top-``k`` from the
   whole passage pool with real dense retrieval (``bench.retrieval``).
-Only first turns carry gold answers; answer quality is scored on those.
 
 Trace format (``--trace`` / ``--write-trace``), one JSON object per line, in arrival order:
 ``{"id", "session", "tenant", "question", "answers": [..], "documents": [{"id", "title", "text"}, ...]}``
@@ -73,7 +73,7 @@ def _turns(record, rng: random.Random, mean_followups: float) -> list[tuple[str,
     for title in titles:
         if rng.random() < p_stop:
             break
-        turns.append((f"What else do the documents say about {title}?", f"{record.question} {title}", ()))
+        turns.append((record.question, f"{record.question} {title}", tuple(record.answers)))
     return turns
 
 

@@ -49,7 +49,7 @@ def test_stream_is_seeded_and_sessions_share_documents(small):
     overlap = [len({d.id for d in f.documents} & {d.id for d in t.documents}) for f, t in follow]
     assert sum(overlap) / len(overlap) >= 4  # follow-ups retrieve much of the first turn's set...
     assert any([d.id for d in f.documents] != [d.id for d in t.documents] for f, t in follow)  # ...reranked
-    assert all(s[0].answers for s in by_session.values())  # first turns carry gold answers
+    assert all(r.answers for r in a)  # every turn keeps its topic's gold answers: F1 is scored on reordered ones too
     assert {r.tenant for r in a} <= {"tenant-0", "tenant-1"}
 
 
