@@ -3,7 +3,7 @@
 The public API is what ``__all__`` lists; everything else may change between releases.
 """
 
-from contextkit.config import ContextKitConfig
+from contextkit.config import ContextKitConfig, KVStoreConfig
 from contextkit.engine import Engine, Generation, KVCache, SamplingParams
 from contextkit.errors import (
     ConfigError,
@@ -18,6 +18,7 @@ from contextkit.errors import (
     UnsupportedModelError,
 )
 from contextkit.kit import ContextKit
+from contextkit.ordering.weaver import Weaver
 from contextkit.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
 from contextkit.spans.assemble import Assembly, SpanCache
 from contextkit.types import Evidence, Span
@@ -49,5 +50,7 @@ __all__ = [
     "PromptTooLongError",
     "SamplingParams",
     "UnsupportedModelError",
+    "KVStoreConfig",
+    "Weaver",
     "__version__",
 ]
