@@ -11,6 +11,36 @@ DEFAULT_CACHE_DIR = Path("~/.cache/contextkit")
 
 
 @dataclass(frozen=True, slots=True)
+class KVStoreConfig:
+    """Where span KV lives (``contextkit.kvstore``).
+
+    Attributes:
+        memory_bytes: budget of the in-process memory tier (cost-aware eviction).
+        disk_dir: a directory for the LMCache disk tier (survives restarts); None: no disk tier.
+        disk_bytes: capacity of the disk tier.
+        remote_url: ``lm://host:port`` (lmcache_server) or ``redis://host:port``, shared by processes;
+            None: no remote tier.
+        remote_timeout_s: deadline of one remote call; a slower or dead remote answers a miss.
+    """
+
+    memory_bytes: int = 2 << 30
+    disk_dir: Path | None = None
+    disk_bytes: int = 8 << 30
+    remote_url: str | None = None
+    remote_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0 or self.disk_bytes <= 0:
+            raise ConfigError("kvstore memory_bytes and disk_bytes must be positive")
+        if self.remote_timeout_s <= 0:
+            raise ConfigError(f"kvstore remote_timeout_s must be positive, got {self.remote_timeout_s}")
+        if self.remote_url and not self.remote_url.startswith(("lm://", "redis://")):
+            raise ConfigError(f"kvstore remote_url must start with lm:// or redis://, got {self.remote_url!r}")
+        if self.disk_dir is not None:
+            object.__setattr__(self, "disk_dir", Path(self.disk_dir).expanduser())
+
+
+@dataclass(frozen=True, slots=True)
 class ContextKitConfig:
     """Settings shared by every contextkit component.
 
@@ -21,12 +51,14 @@ class ContextKitConfig:
             on every x86 CPU; bfloat16 prefills ~2x faster on CPUs with AVX512-BF16/AMX (see
             ``contextkit bench engine``) at a measured fidelity cost.
         threads: torch intra-op threads; None leaves torch's default.
+        kvstore: where span KV lives (memory tier; optional LMCache disk and remote tiers).
     """
 
     model: str = "smollm2-135m-instruct"
     cache_dir: Path = field(default=DEFAULT_CACHE_DIR)
     dtype: str = "float32"
     threads: int | None = None
+    kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -15,7 +15,9 @@ from contextkit.kernels.rerotate import Rerotator
 from contextkit.models import Progress, prepare
 from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.prompt import render_prompt, render_segments
+from contextkit.kvstore.tiered import build_store
 from contextkit.spans.assemble import SpanCache
+from contextkit.spans.store import KVSpanStore
 from contextkit.tokenizer import Tokenizer
 from contextkit.types import Evidence, Span
 
@@ -46,9 +48,20 @@ class ContextKit:
         # documents seen by this kit keep their KV here, reused at any position by later requests
         self.spans = SpanCache(
             self.engine,
+            store=KVSpanStore(build_store(self.config.kvstore)),
             rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
             tokenizer_fingerprint=self.tokenizer.fingerprint,
         )
+
+    def close(self) -> None:
+        """Close the KV store's tiers (LMCache runs threads that would otherwise keep the process alive)."""
+        self.spans.store.kv.close()
+
+    def __enter__(self) -> ContextKit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def prompt_ids(
         self, question: str, documents: Sequence[Evidence | str] = (), system: str | None = None

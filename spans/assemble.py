@@ -27,7 +27,7 @@ from contextkit.plan import RequestPlan, ReuseReport
 from contextkit.spans.compile import compile_span, model_identity, write_span
 from contextkit.spans.key import span_key
 from contextkit.spans.recompute import Layout, select
-from contextkit.spans.store import CompiledSpan, MemorySpanStore, SpanStore
+from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
 from contextkit.types import Span
 
 
@@ -67,7 +67,7 @@ class SpanCache:
         tokenizer_fingerprint: str = "",
     ):
         self.engine = engine
-        self.store = store if store is not None else MemorySpanStore()
+        self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
 

@@ -1,19 +1,17 @@
 """Compiled spans and the store interface the span cache uses.
 
-``SpanStore`` is the interface ``kvstore`` implements with real tiers (memory, disk, LMCache). The
-``MemorySpanStore`` here is a byte-bounded LRU in process memory, enough for one process; every hit is
-checked against the key (tokens, shapes, dtype) and a mismatch is dropped and counted, never served.
+``SpanStore`` is what the span cache asks of a store; ``KVSpanStore`` keeps spans in ``kvstore``'s
+tiers (memory, LMCache disk, LMCache remote) and checks every hit against the key (tokens, shapes,
+dtype); a mismatch is dropped and counted, never served.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from contextkit.errors import ConfigError
 from contextkit.spans.key import SpanKey, token_digest
 
 
@@ -58,49 +56,52 @@ class SpanStore(Protocol):
     def __contains__(self, key: SpanKey) -> bool: ...
 
 
-class MemorySpanStore:
-    """Byte-bounded LRU of compiled spans in this process."""
+LAYOUT = "k,v:(layers,kv_heads,tokens,head_dim) rotated at position 0; token_ids:(tokens,)"
 
-    def __init__(self, max_bytes: int = 2 << 30):
-        if max_bytes <= 0:
-            raise ConfigError(f"max_bytes must be positive, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[SpanKey, CompiledSpan] = OrderedDict()
-        self.bytes = 0
-        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "rejected": 0}
+
+class KVSpanStore:
+    """Compiled spans kept in a ``kvstore`` (memory, LMCache disk, LMCache remote tiers).
+
+    A span is one entry: K, V and its token ids. kvstore checks bytes and keys (checksum, digest,
+    namespace); this layer checks what the bytes mean (``CompiledSpan.problem``: key, token count,
+    shapes, dtype, token ids against the key). Either failure drops the entry from every tier, counts
+    it under ``rejected`` and answers a miss, so the span is recompiled, never served wrong.
+    """
+
+    def __init__(self, store=None):
+        if store is None:
+            from contextkit.kvstore.tiered import TieredStore
+            from contextkit.kvstore.memory import MemoryTier
+
+            store = TieredStore([MemoryTier()])
+        self.kv = store
+        self.stats = {"hits": 0, "misses": 0, "rejected": 0}
 
     def __contains__(self, key: SpanKey) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return self.kv.contains(key)
 
     def get(self, key: SpanKey) -> CompiledSpan | None:
-        entry = self._entries.get(key)
+        entry = self.kv.get(key)
         if entry is None:
             self.stats["misses"] += 1
             return None
-        if entry.problem(key) is not None:  # never serve a mismatched entry: drop it, recompute
-            self._drop(key)
+        t = entry.tensors
+        try:
+            span = CompiledSpan(key, tuple(t["token_ids"].tolist()), t["k"], t["v"], entry.meta.cost_ms)
+            problem = span.problem(key)
+        except KeyError as exc:
+            problem = f"missing tensor {exc}"
+        if problem is not None:  # never serve it: drop everywhere, recompute
+            self.kv.delete(key)
             self.stats["rejected"] += 1
             self.stats["misses"] += 1
             return None
-        self._entries.move_to_end(key)
         self.stats["hits"] += 1
-        return entry
+        return span
 
     def put(self, span: CompiledSpan) -> None:
-        if span.nbytes > self.max_bytes:
-            return  # larger than the whole budget: not cached
-        if span.key in self._entries:
-            self._drop(span.key)
-        self._entries[span.key] = span
-        self.bytes += span.nbytes
-        while self.bytes > self.max_bytes:
-            old, _ = next(iter(self._entries.items()))
-            self._drop(old)
-            self.stats["evictions"] += 1
+        from contextkit.kvstore.entry import make_entry
 
-    def _drop(self, key: SpanKey) -> None:
-        entry = self._entries.pop(key)
-        self.bytes -= entry.nbytes
+        ids = torch.tensor(span.token_ids, dtype=torch.int64)
+        self.kv.put(span.key, make_entry(span.key, {"k": span.k, "v": span.v, "token_ids": ids}, LAYOUT,
+                                         cost_ms=span.compile_ms))

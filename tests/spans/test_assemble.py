@@ -14,7 +14,7 @@ from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.prompt import render_segments
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
-from contextkit.spans.store import MemorySpanStore
+from contextkit.spans.store import KVSpanStore
 from contextkit.tokenizer import Tokenizer
 from contextkit.types import Evidence, Span
 
@@ -164,10 +164,10 @@ def test_keys_separate_models_dtypes_tokenizers_and_tenants(smol, smol_dir):
 
 def test_tampered_entry_is_rejected_and_recomputed(smol):
     _, _, cache, items, _, _ = smol
-    store = MemorySpanStore()
+    store = KVSpanStore()
     sc = SpanCache(cache.engine, store=store, tokenizer_fingerprint="t")
     entry, _ = sc.compiled(items[2].span)
-    store._entries[entry.key] = dataclasses.replace(entry, token_ids=entry.token_ids[:-1] + (0,))
+    store.put(dataclasses.replace(entry, token_ids=entry.token_ids[:-1] + (0,)))  # bytes fine, meaning wrong
     again, hit = sc.compiled(items[2].span)
     assert not hit and store.stats["rejected"] == 1
     assert again.token_ids == items[2].span.token_ids

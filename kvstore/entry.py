@@ -1,0 +1,146 @@
+"""A stored KV entry: named tensors plus the metadata needed to check them, and its byte format.
+
+kvstore does not know what a span is. It stores ``Entry`` objects under a key that has a ``digest``
+(hex string naming everything that determines the bytes) and a ``namespace`` (tenant). The span cache
+puts a span's K, V and token ids in one entry and checks the span-level meaning itself.
+
+Byte format (disk and remote tiers), little-endian:
+``MAGIC (8 bytes) | header length (u32) | header (JSON) | payload (the tensors' bytes, in header order)``.
+The header repeats the key digest and namespace, the tensors' names, shapes and dtypes, the payload
+length and its xxh3-64 checksum (~30 GB/s here: cheap next to any copy). ``decode`` refuses anything that does not match exactly (truncated, extended,
+flipped bits, another key's bytes), and the caller drops the entry and recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from contextkit.errors import KVCacheError
+
+MAGIC = b"CTXKV\x00\x01\x00"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8,
+)}  # fmt: skip
+
+
+class CorruptEntryError(KVCacheError):
+    """Stored bytes that fail a check (magic, length, checksum, key). Never served; dropped and counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class EntryMeta:
+    digest: str  # the key's digest
+    namespace: str  # tenant; part of the digest too, checked again on read
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in payload order
+    layout: str  # what the tensors mean, for humans and version checks, e.g. "k,v:(layers,heads,tokens,dim)"
+    nbytes: int  # payload bytes
+    checksum: int  # xxh3-64 of the payload
+    cost_ms: float = 0.0  # what recomputing it costs (compile time): cost-aware eviction weighs it
+    created: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    meta: EntryMeta
+    tensors: dict[str, torch.Tensor] = field(hash=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def make_entry(key, tensors: dict[str, torch.Tensor], layout: str, cost_ms: float = 0.0) -> Entry:
+    """An entry for ``key`` (anything with ``.digest`` and ``.namespace``) holding ``tensors``."""
+    crc, nbytes, specs = xxhash.xxh3_64(), 0, []
+    for name, t in tensors.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise KVCacheError(f"tensor {name!r} has dtype {t.dtype}, which the store does not keep")
+        b = _bytes_of(t)
+        crc.update(b)
+        nbytes += b.nbytes
+        specs.append((name, tuple(t.shape), dtype))
+    meta = EntryMeta(key.digest, key.namespace, tuple(specs), layout, nbytes, crc.intdigest(), float(cost_ms), time.time())
+    return Entry(meta, dict(tensors))
+
+
+def encode(entry: Entry) -> list[memoryview | bytes]:
+    """The entry as byte chunks (header, then each tensor's bytes without a copy)."""
+    m = entry.meta
+    header = json.dumps({
+        "digest": m.digest, "namespace": m.namespace, "layout": m.layout, "nbytes": m.nbytes,
+        "xxh3_64": m.checksum, "cost_ms": m.cost_ms, "created": m.created,
+        "tensors": [[n, list(s), d] for n, s, d in m.tensors],
+    }).encode()  # fmt: skip
+    return [MAGIC + struct.pack("<I", len(header)) + header, *(_bytes_of(entry.tensors[n]) for n, _, _ in m.tensors)]
+
+
+def encode_bytes(entry: Entry) -> bytes:
+    return b"".join(encode(entry))
+
+
+def _view(payload: memoryview, offset: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over ``payload[offset:offset+size]`` without a copy. Entries read from a store are
+    read-only by contract (the span cache copies out of them), so an immutable buffer is fine; torch
+    only warns that it cannot enforce that."""
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
+
+
+def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True) -> Entry:
+    """Parse and check stored bytes; with ``key``, also that they belong to it.
+
+    Raises:
+        CorruptEntryError: anything does not match; the message says what.
+    """
+    view = memoryview(data)
+    if len(view) < 12 or bytes(view[:8]) != MAGIC:
+        raise CorruptEntryError("not a contextkit KV entry (bad magic)")
+    (hlen,) = struct.unpack("<I", view[8:12])
+    try:
+        h = json.loads(bytes(view[12 : 12 + hlen]))
+        specs = tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in h["tensors"])
+        meta = EntryMeta(str(h["digest"]), str(h["namespace"]), specs, str(h["layout"]), int(h["nbytes"]),
+                         int(h["xxh3_64"]), float(h.get("cost_ms", 0.0)), float(h.get("created", 0.0)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntryError(f"unreadable header ({exc})") from exc
+    payload = view[12 + hlen :]
+    if len(payload) != meta.nbytes:
+        raise CorruptEntryError(f"payload is {len(payload)} bytes, header says {meta.nbytes} (truncated?)")
+    if key is not None and (meta.digest != key.digest or meta.namespace != key.namespace):
+        raise CorruptEntryError("entry belongs to another key or namespace")
+    if verify and xxhash.xxh3_64_intdigest(payload) != meta.checksum:
+        raise CorruptEntryError("checksum mismatch")
+    tensors, off = {}, 0
+    for name, shape, dtype in meta.tensors:
+        if dtype not in _DTYPES:
+            raise CorruptEntryError(f"unknown dtype {dtype!r}")
+        dt = _DTYPES[dtype]
+        n = 1
+        for s in shape:
+            n *= s
+        size = n * torch.empty((), dtype=dt).element_size()
+        if off + size > len(payload):
+            raise CorruptEntryError("tensor shapes exceed the payload")
+        t = _view(payload, off, size)
+        tensors[name] = t.view(dt).reshape(shape)
+        off += size
+    if off != meta.nbytes:
+        raise CorruptEntryError("tensor shapes do not cover the payload")
+    return Entry(meta, tensors)

@@ -1,0 +1,91 @@
+"""Tiers behind one face (promotion, write-through, stats) and the span cache on kvstore end to end:
+a span compiled in one process is served from the disk tier in the next, and from Redis to another."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from contextkit.config import KVStoreConfig
+from contextkit.errors import ConfigError
+from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
+from contextkit.kvstore.memory import MemoryTier
+from contextkit.kvstore.tiered import TieredStore, build_store
+
+from kvhelpers import entry, key, same
+
+pytestmark = pytest.mark.slow
+
+
+def test_promotion_on_hit_and_write_through(tmp_path):
+    disk = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path))
+    mem = MemoryTier()
+    with TieredStore([mem, disk]) as store:
+        k, e = key("a"), entry(key("a"), 32)
+        store.put(k, e)  # write-through: both tiers
+        assert mem.contains(k) and disk.wait_visible(k)
+        mem.delete(k)
+        assert same(store.get(k), e)  # from disk...
+        assert mem.contains(k)  # ...and promoted
+        stats = store.stats()
+        assert stats["memory"]["puts"] == 2 and stats["disk"]["hits"] == 1
+        assert 'tier="disk"' in store.prometheus()
+        assert store.delete(k) and not store.contains(k)
+
+
+def test_build_store_and_bad_config(tmp_path, redis_url):
+    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url))
+    try:
+        assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
+    finally:
+        store.close()
+    with pytest.raises(ConfigError, match="lm:// or redis://"):
+        KVStoreConfig(remote_url="http://localhost:1")
+    with pytest.raises(ConfigError):
+        KVStoreConfig(memory_bytes=0)
+    with pytest.raises(ConfigError):
+        TieredStore([MemoryTier(), MemoryTier()])
+
+
+SPAN_CHILD = """
+import sys, json, torch
+from pathlib import Path
+from contextkit.config import KVStoreConfig
+from contextkit.engine import Engine
+from contextkit.kvstore.tiered import build_store
+from contextkit.spans.assemble import SpanCache
+from contextkit.spans.store import KVSpanStore
+from contextkit.types import Span
+disk, remote = sys.argv[2] or None, sys.argv[3] or None
+store = KVSpanStore(build_store(KVStoreConfig(disk_dir=disk, remote_url=remote)))
+cache = SpanCache(Engine.from_dir(Path(sys.argv[1])), store=store, tokenizer_fingerprint="t")
+span = Span(tuple(range(1000, 1200)))
+compiled, hit = cache.compiled(span, namespace="acme")
+for t in store.kv.tiers[1:]:
+    assert t.wait_visible(compiled.key)
+print(json.dumps({"hit": hit, "k": compiled.k.float().sum().item(), "stats": store.stats}))
+store.kv.close()
+"""
+
+
+def _span_run(smol_dir: Path, disk: Path | str = "", remote: str = "") -> dict:
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", SPAN_CHILD, str(smol_dir), str(disk), remote],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_span_cache_serves_spans_across_restarts_and_processes(tmp_path, smol_dir, redis_url):
+    first = _span_run(smol_dir, disk=tmp_path / "kv")
+    assert not first["hit"]
+    again = _span_run(smol_dir, disk=tmp_path / "kv")  # a new process: memory empty, disk tier hit
+    assert again["hit"] and again["k"] == first["k"]
+    shared = _span_run(smol_dir, remote=redis_url)  # Redis, shared by processes
+    other = _span_run(smol_dir, remote=redis_url)
+    assert other["hit"] and other["k"] == shared["k"] == first["k"]
