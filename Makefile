@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH  := bench-results
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench venv services-deps clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 venv: $(STAMP)
 
@@ -24,14 +25,21 @@ run: venv
 	$(BIN)/contextkit generate --input examples/question.json
 
 # The suite talks to real services: tools/with_services.py starts them on loopback (vLLM on the
-# prepared default model), exports their URLs, runs pytest and stops them by PID, pass or fail.
-test: venv
+# prepared default model, Redis, lmcache_server), exports their URLs, runs pytest and stops them by
+# PID, pass or fail.
+test: venv services-deps
 	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q
+
+# Redis for the remote KV tier comes from Debian (lmcache_server comes with the lmcache wheel).
+services-deps:
+	@command -v redis-server >/dev/null 2>&1 || { echo "installing redis-server (Debian package)"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
 bench: venv
 	$(BIN)/contextkit bench engine --n 3 --json $(BENCH)/engine.json --plot $(BENCH)/engine.png
 	$(BIN)/contextkit bench rope --n 3 --json $(BENCH)/rope.json --plot $(BENCH)/rope.png
 	$(BIN)/contextkit bench spans --n 50 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
+	$(BIN)/contextkit bench store --n 20 --json $(BENCH)/store.json --plot $(BENCH)/store.png
 	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
 
 clean:

@@ -51,10 +51,19 @@ class EntryMeta:
 class Entry:
     meta: EntryMeta
     tensors: dict[str, torch.Tensor] = field(hash=False, compare=False)
+    # True when the tensors view a buffer someone else lends (LMCache's pool): read them, copy out of
+    # them, but keep them only as long as needed; ``owned()`` gives a copy to keep.
+    borrowed: bool = field(default=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return self.meta.nbytes
+
+    def owned(self) -> Entry:
+        """This entry with tensors in memory of its own (a copy if they were borrowed)."""
+        if not self.borrowed:
+            return self
+        return Entry(self.meta, {n: t.clone() for n, t in self.tensors.items()})
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -103,7 +112,7 @@ def _view(payload: memoryview, offset: int, size: int) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
 
 
-def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True) -> Entry:
+def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True, borrowed: bool = False) -> Entry:
     """Parse and check stored bytes; with ``key``, also that they belong to it.
 
     Raises:
@@ -143,4 +152,4 @@ def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True) 
         off += size
     if off != meta.nbytes:
         raise CorruptEntryError("tensor shapes do not cover the payload")
-    return Entry(meta, tensors)
+    return Entry(meta, tensors, borrowed)

@@ -24,8 +24,9 @@ CPU machine, each worked around here and tested (tests/kvstore):
   ``contains``). Every remote call runs under a deadline; a failure marks the tier down, later calls
   answer a miss at once, and after ``retry_after_s`` a TCP probe decides whether to recreate the backend.
 - ``StorageManager.get`` copies disk/remote hits into the CPU pool where they can never be evicted
-  (hangs after a few gets); we use ``batched_get(location=...)`` only. A CPU-backend hit is the cached
-  buffer itself: we copy out of it before releasing it.
+  (hangs after a few gets); we use ``batched_get(location=...)`` only. A hit is a buffer of LMCache's
+  pool (for the CPU backend, the cached buffer itself): the entry borrows it without a copy and hands
+  it back when its last tensor is freed; ``Entry.owned()`` copies for anyone who keeps it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,12 +306,13 @@ class LMCacheTier(BatchMixin):
                 self._failed()
             self._stats.add("misses")
             return None
+        # Zero copy: the entry's tensors view LMCache's buffer, and the buffer goes back to LMCache's
+        # pool when the last tensor over it is freed (the finalizer hangs on the array every tensor
+        # keeps alive). A copy is made only by whoever keeps the entry (TieredStore's promotion).
+        arr = obj.tensor.reshape(-1).numpy()
+        weakref.finalize(arr, obj.ref_count_down)
         try:
-            blob = obj.tensor.reshape(-1).clone()  # copy out before releasing LMCache's buffer
-        finally:
-            obj.ref_count_down()
-        try:
-            entry = decode(memoryview(blob.numpy()), key)
+            entry = decode(memoryview(arr), key, borrowed=True)
         except CorruptEntryError:
             self._stats.add("corrupt")
             self._stats.add("misses")

@@ -70,6 +70,7 @@ class MemoryTier(BatchMixin):
             raise ValueError("entry was made for another key")
         if entry.nbytes > self.max_bytes:
             return  # larger than the whole budget: not kept here
+        entry = entry.owned()  # never keep a buffer LMCache lent
         with self._lock:
             if key.digest in self._entries:
                 self._drop(key.digest)

@@ -36,8 +36,11 @@ class TieredStore(BatchMixin):
         for i, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is not None:
-                for faster in self.tiers[:i]:
-                    faster.put(key, entry)
+                if i:
+                    kept = entry.owned()  # a borrowed LMCache buffer must not live on in memory
+                    for faster in self.tiers[:i]:
+                        faster.put(key, kept)
+                    return kept
                 return entry
         return None
 

@@ -31,6 +31,7 @@ BENCHES = {
     "spans": "contextkit.bench.spans",
     "rope": "contextkit.bench.rope",
     "ordering": "contextkit.bench.ordering",
+    "store": "contextkit.bench.store",
 }
 
 

@@ -226,3 +226,28 @@ def test_delete_on_every_tier_that_supports_it(tiers):
         assert tiers[name].delete(k), name
         assert tiers[name].get(k) is None, name
     assert tiers["lm"].delete(key("x")) is False  # lmcache_server has no delete command
+
+
+def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tmp_path):
+    """A get hands out views of LMCache's pool buffer without a copy. The buffer returns to the pool
+    when the last tensor over it is freed, so a small pool serves many gets, and a tensor someone still
+    holds is never overwritten by a later get."""
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, pool_bytes=32 << 20))  # ~6 entries
+    try:
+        ks = [key(f"b{i}") for i in range(3)]
+        for i, k in enumerate(ks):
+            tier.put(k, entry(k, 200, seed=i))  # 4.6 MB each
+            assert tier.wait_visible(k)
+        for i in range(40):  # far more than the pool holds at once: each one is released after use
+            got = tier.get(ks[i % 3])
+            assert got is not None and got.borrowed
+            del got
+        held = [tier.get(k).tensors["k"] for k in ks]  # keep only a tensor, drop the entries
+        for i in range(3):
+            assert tier.get(ks[i]) is not None
+        for i, t in enumerate(held):
+            assert torch.equal(t, entry(ks[i], 200, seed=i).tensors["k"])
+        kept = tier.get(ks[0]).owned()
+        assert not kept.borrowed and kept.tensors["k"].data_ptr() != held[0].data_ptr()
+    finally:
+        finishes(tier.close, 30)

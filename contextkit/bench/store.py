@@ -1,0 +1,199 @@
+"""``contextkit bench store``: put/get of real span KV per kvstore tier, beside the raw baseline of the
+same bytes measured in the same run, and fetch time against compiling the span.
+
+Tiers: ``memory`` (ours, in process), ``lmcache-cpu`` (LMCache LocalCPUBackend), ``disk`` (LMCache
+LocalDiskBackend, page cache warm), ``lm`` (lmcache_server) and ``redis`` (Redis via LMCache). Spans are
+real: the default model's KV of 128 / 1k / 4k tokens of multi-hop passages, compiled by the built-in
+engine. Raw baselines: ``torch`` copy of the K and V tensors into preallocated ones (memory), reading
+the entry's bytes from a file into a preallocated buffer (disk; the strictest plain file I/O, also
+``read()`` for reference), a raw redis-py GET of the entry's bytes (remote). A get here is everything a
+caller needs: fetch, checks (xxh3 checksum, key digest, namespace), tensors ready.
+
+Options (``--set``): ``sizes`` (128,1024,4096), ``tiers`` (comma list), ``redis_url`` / ``lmcache_url``
+(else the bench starts its own servers on loopback and stops them), ``dtype`` (the engine's, float32).
+Summary: ``memory_get_vs_copy``, ``disk_get_vs_read``, ``remote_get_vs_redis`` (Redis tier) and
+``lm_get_vs_redis`` (lmcache_server tier), our time / raw time at 1k tokens (<= 2.0 means >= 50% of the
+raw bandwidth); ``fetch_vs_compile_max``: the slowest tier's 1k-token fetch / compiling the span.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import torch
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.errors import ConfigError
+from contextkit.kvstore.entry import encode_bytes
+from contextkit.spans.compile import compile_span, model_identity
+from contextkit.spans.store import LAYOUT
+
+TIERS = ("memory", "lmcache-cpu", "disk", "lm", "redis")
+
+
+def _ms(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _tokens(n: int, tokenizer) -> tuple[int, ...]:
+    from contextkit.bench.data import load_records
+
+    ids: list[int] = []
+    for r in load_records(None):
+        for p in r.passages:
+            ids += tokenizer.encode(p.text + "\n")
+            if len(ids) >= n:
+                return tuple(ids[:n])
+    return tuple((ids * (n // max(1, len(ids)) + 1))[:n])
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.engine import Engine
+    from contextkit.integrations.services import lmcache_server, redis_server
+    from contextkit.kernels.rerotate import Rerotator
+    from contextkit.kvstore.entry import make_entry
+    from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
+    from contextkit.kvstore.memory import MemoryTier
+    from contextkit.models import prepare
+    from contextkit.tokenizer import Tokenizer
+    from contextkit.types import Span
+
+    sizes = [int(s) for s in ctx.option("sizes", "128,1024,4096").split(",")]
+    tiers = ctx.option("tiers", ",".join(TIERS)).split(",")
+    bad = [t for t in tiers if t not in TIERS]
+    if bad:
+        raise ConfigError(f"unknown tiers {bad}; choose from {', '.join(TIERS)}")
+    dtype = ctx.option("dtype", ctx.config.dtype)
+    reps = ctx.n
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    engine = Engine.from_dir(model_dir, dtype)
+    tok = Tokenizer(model_dir)
+    identity = model_identity(engine, tok.fingerprint)
+    rerot = Rerotator("auto", build_dir=ctx.config.cache_dir / "kernels")
+
+    services, made = [], {}
+    tmp = Path(tempfile.mkdtemp(prefix="ctxkit-bench-store-"))
+    try:
+        urls = {"redis": ctx.option("redis_url", ""), "lm": ctx.option("lmcache_url", "")}
+        for name, make in (("redis", redis_server), ("lm", lmcache_server)):
+            if name in tiers and not urls[name]:
+                services.append(make().start())
+                urls[name] = services[-1].url
+        for name in tiers:
+            made[name] = {
+                "memory": lambda: MemoryTier(4 << 30),
+                "lmcache-cpu": lambda: LMCacheTier(LMCacheTierConfig("cpu", max_bytes=2 << 30), "lmcache-cpu"),
+                "disk": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk", pool_bytes=1 << 30)),
+                "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30)),
+                "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30,
+                                                               timeout_s=30)),
+            }[name]()
+        import redis as redis_py
+
+        rurl = urllib.parse.urlparse(urls["redis"]) if urls.get("redis") else None
+        raw_redis = redis_py.Redis(host=rurl.hostname, port=rurl.port) if rurl else None
+        rows, compile_ms = [], {}
+        tick(total=len(sizes) * (len(tiers) + 1))
+        for n in sizes:
+            span = Span(_tokens(n, tok))
+            t0 = time.perf_counter()
+            compiled = compile_span(engine, identity, span, rerot)
+            compile_ms[n] = (time.perf_counter() - t0) * 1e3
+            key = compiled.key
+            ids = torch.tensor(span.token_ids, dtype=torch.int64)
+            entry = make_entry(key, {"k": compiled.k, "v": compiled.v, "token_ids": ids}, LAYOUT, compile_ms[n])
+            blob = encode_bytes(entry)
+            mb = len(blob) / 1e6
+            # raw baselines on the same bytes
+            dk, dv = torch.empty_like(compiled.k), torch.empty_like(compiled.v)
+            copy = _ms(lambda: (dk.copy_(compiled.k), dv.copy_(compiled.v)), reps)
+            raw_file = tmp / f"raw-{n}.bin"
+            raw_file.write_bytes(blob)
+            buf = bytearray(len(blob))
+
+            def readinto():
+                with open(raw_file, "rb", buffering=0) as f:
+                    f.readinto(buf)
+
+            readinto()
+            read = _ms(readinto, reps)
+            read_plain = _ms(raw_file.read_bytes, reps)
+            redis_get = None
+            if raw_redis is not None:
+                raw_redis.set(f"raw-{n}", blob)
+                raw_redis.get(f"raw-{n}")
+                redis_get = _ms(lambda: raw_redis.get(f"raw-{n}"), reps)
+            baseline = {"memory": copy, "lmcache-cpu": copy, "disk": read, "lm": redis_get, "redis": redis_get}
+            base_name = {"memory": "copy", "lmcache-cpu": "copy", "disk": "file read", "lm": "redis GET", "redis": "redis GET"}
+            tick(f"{n} tokens: baselines")
+            for name in tiers:
+                tier = made[name]
+                put = _ms(lambda: tier.put(key, entry), 1)
+                visible = tier.wait_visible(key, 60) if hasattr(tier, "wait_visible") else True
+                if not visible:
+                    raise ConfigError(f"tier {name} never made the {n}-token entry readable")
+                got = tier.get(key)
+                if got is None or not torch.equal(got.tensors["k"], compiled.k):
+                    raise ConfigError(f"tier {name} returned a wrong or missing entry")
+                get = _ms(lambda: tier.get(key), reps)
+                base = baseline[name]
+                rows.append({
+                    "tier": name, "tokens": n, "mb": round(mb, 2),
+                    "get_ms_p50": round(percentile(get, 50), 3), "get_ms_p99": round(percentile(get, 99), 3),
+                    "get_gb_s": round(mb / 1e3 / (statistics.median(get) / 1e3), 2),
+                    "put_ms": round(put[0], 3),
+                    "baseline": base_name[name],
+                    "baseline_ms_p50": round(percentile(base, 50), 3) if base else None,
+                    "get_vs_baseline": round(statistics.median(get) / statistics.median(base), 3) if base else None,
+                    "fetch_vs_compile": round(statistics.median(get) / compile_ms[n], 5),
+                    "compile_ms": round(compile_ms[n], 1),
+                    "file_read_plain_ms_p50": round(percentile(read_plain, 50), 3) if name == "disk" else None,
+                    "default": name == "memory",
+                })  # fmt: skip
+                tier.delete(key)
+                tick(f"{n} tokens: {name}")
+    finally:
+        for t in made.values():
+            t.close()
+        for s in services:
+            s.stop()
+    at = {(r["tier"], r["tokens"]): r for r in rows}
+    pick = 1024 if 1024 in sizes else sizes[len(sizes) // 2]
+    summary: dict = {"tokens": pick, "dtype": dtype, "compile_ms": round(compile_ms[pick], 1)}
+    for name, keyname in (("memory", "memory_get_vs_copy"), ("disk", "disk_get_vs_read"),
+                          ("redis", "remote_get_vs_redis"), ("lm", "lm_get_vs_redis"),
+                          ("lmcache-cpu", "lmcache_cpu_get_vs_copy")):
+        if (name, pick) in at:
+            summary[keyname] = at[(name, pick)]["get_vs_baseline"]
+            summary[keyname + "_worst"] = max(r["get_vs_baseline"] for r in rows if r["tier"] == name)
+    fetch = [r["fetch_vs_compile"] for r in rows if r["tokens"] == pick]
+    summary["fetch_vs_compile_max"] = max(fetch) if fetch else None
+    config = {"sizes": sizes, "tiers": tiers, "reps": reps, "dtype": dtype, "model": ctx.config.model,
+              "redis": "started by the bench" if not ctx.option("redis_url", "") else ctx.option("redis_url", ""),
+              "lmcache_server": "started by the bench" if not ctx.option("lmcache_url", "") else ctx.option("lmcache_url", "")}
+    return BenchResult("store", config, rows, summary)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for tier in dict.fromkeys(r["tier"] for r in result.rows):
+        rs = [r for r in result.rows if r["tier"] == tier]
+        ax.plot([r["tokens"] for r in rs], [r["get_ms_p50"] for r in rs], marker="o", label=tier)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("span tokens")
+    ax.set_ylabel("get ms p50")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
