@@ -344,6 +344,8 @@ class LMCacheTier(BatchMixin):
         view = obj.tensor.reshape(-1)
         off = 0
         for c in chunks:
+            if isinstance(c, bytes):
+                c = bytearray(c)  # the header: small; torch wants a writable buffer to read from
             n = len(c)
             view[off : off + n].copy_(torch.frombuffer(c, dtype=torch.uint8) if n else view[:0])
             off += n
