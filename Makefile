@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH  := bench-results
 
-.PHONY: run test bench venv services-deps clean
+.PHONY: run serve test bench venv services-deps clean
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 venv: $(STAMP)
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml constraints.txt
 run: venv
 	$(BIN)/contextkit models prepare
 	$(BIN)/contextkit generate --input examples/question.json
+
+# An OpenAI-compatible server on the embedded default model (Ctrl-C stops it).
+serve: venv
+	$(BIN)/contextkit serve --port 8000
 
 # The suite talks to real services: tools/with_services.py starts them on loopback (vLLM on the
 # prepared default model, Redis, lmcache_server), exports their URLs, runs pytest and stops them by

@@ -219,6 +219,73 @@ def bench(
         _fail(str(exc))
 
 
+@app.command()
+def proxy(
+    upstream: Annotated[list[str], typer.Option(help="A vLLM server URL; repeat for several.")] = [],
+    host: Annotated[Optional[str], typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port to listen on.")] = None,
+    timeout_s: Annotated[Optional[float], typer.Option(help="Upstream deadline (seconds) before a 504.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Upstream KV block size (vLLM: 16 GPU, 32 CPU).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model whose tokenizer renders documents (the upstream's).")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="JSON file of settings (flags and CONTEXTKIT_PROXY_* env win).")] = None,
+) -> None:
+    """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
+    from pydantic import ValidationError
+
+    from contextkit.integrations.proxy import load_settings, serve
+
+    if config is not None and not config.is_file():
+        _fail(f"--config {config} does not exist")
+    flags = {k: v for k, v in dict(upstreams=upstream or None, host=host, port=port, timeout_s=timeout_s,
+                                   block_size=block_size, model=model).items() if v is not None}
+    try:
+        settings = load_settings(config, **flags)
+    except (ValidationError, ValueError) as exc:
+        errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": str(exc)}]
+        where = ".".join(str(x) for x in errors[0]["loc"]) or "settings"
+        _fail(f"{where}: {errors[0]['msg']} (pass --upstream URL, or set CONTEXTKIT_PROXY_UPSTREAMS='[\"http://...\"]')")
+    try:
+        serve(settings)
+    except ContextKitError as exc:
+        _fail(str(exc))
+
+
+@app.command("serve")
+def serve_cmd(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    model: ModelOpt = "smollm2-135m-instruct",
+    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
+    dtype: Annotated[str, typer.Option(help="float32 (default on CPU) or bfloat16.")] = "float32",
+    threads: Optional[int] = None,
+    served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
+    kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
+    kv_remote_url: Annotated[Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")] = None,
+) -> None:
+    """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
+    import uvicorn
+
+    from contextkit.config import KVStoreConfig
+    from contextkit.integrations.serve import create_serve_app
+    from contextkit.kit import ContextKit
+
+    try:
+        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
+                                  kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url))
+        status, update = _status(err)
+        with status:
+            update("loading model")
+            kit = ContextKit(config, progress=update)
+    except ContextKitError as exc:
+        _fail(str(exc))
+    err.print(f"serving {model} as {served_model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)")
+    try:
+        uvicorn.run(create_serve_app(kit, served_model_name), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=30)
+    finally:
+        kit.close()
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -93,16 +93,18 @@ class ContextKit:
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
         reuse: ReuseOptions | None = None,
+        namespace: str = "",
     ) -> Stream:
         """Iterate over the returned Stream for text deltas; its ``result`` holds the Generation.
 
         With ``reuse``, documents are spans: their KV is compiled once, kept in ``self.spans`` and
         re-positioned into later requests, recomputing what ``reuse`` says (see ReuseOptions).
+        ``namespace`` (a tenant) is part of every span key: tenants never share span KV.
         """
         if reuse is None:
             return Stream(self.engine, self.tokenizer, self.prompt_ids(question, documents, system), params)
         plan = self.plan(question, documents, system, reuse)
-        asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
+        asm = self.spans.assemble(plan, namespace=namespace, extra_capacity=params.max_new_tokens + 1)
         ids = [t for item in plan.items for t in item.span.token_ids]
         stream = Stream(self.engine, self.tokenizer, ids, params, cache=asm.cache, first_logits=asm.logits)
         stream.report = asm.report

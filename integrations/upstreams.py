@@ -1,0 +1,91 @@
+"""The proxy's upstream pool: health, load and cache-aware routing.
+
+Each upstream (a vLLM server) has its own ``Weaver``: the tree of evidence sequences it has served is a
+model of what its prefix cache holds. A documents request goes to the healthy upstream whose tree
+shares the longest reusable prefix with it (ties and misses: the least loaded); any other request goes
+to the least loaded. A background task checks ``/health``; a failing upstream is taken out of rotation
+and put back when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from contextkit.errors import ConfigError
+from contextkit.ordering.weaver import Doc, OrderResult, Weaver
+
+
+@dataclass
+class Upstream:
+    url: str
+    weaver: Weaver
+    healthy: bool = True
+    inflight: int = 0
+    requests: int = 0
+    failures: int = 0
+    last_check: float = field(default=0.0)
+
+
+class UpstreamPool:
+    def __init__(self, urls: Sequence[str], block_size: int):
+        if not urls:
+            raise ConfigError("the proxy needs at least one --upstream URL (a vLLM server)")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"upstream URLs must start with http:// or https://, got {bad}")
+        self.upstreams = [Upstream(u.rstrip("/"), Weaver(block_size=block_size)) for u in urls]
+        self.routing = {"cache_aware": 0, "least_loaded": 0}
+
+    def healthy(self) -> list[Upstream]:
+        return [u for u in self.upstreams if u.healthy]
+
+    def least_loaded(self) -> Upstream | None:
+        pool = self.healthy()
+        return min(pool, key=lambda u: (u.inflight, u.requests)) if pool else None
+
+    def route(self, docs: Sequence[Doc], tenant: str, reorder: bool) -> tuple[Upstream | None, OrderResult | None]:
+        """The upstream for a documents request and the order to send there (recorded in its tree)."""
+        pool = self.healthy()
+        if not pool:
+            return None, None
+        best, best_tokens = None, 0
+        if docs and len(pool) > 1:
+            for u in pool:
+                tokens = u.weaver.order(docs, tenant, record=False).reusable_tokens
+                if tokens > best_tokens or (tokens == best_tokens and best is not None and u.inflight < best.inflight):
+                    best, best_tokens = u, tokens
+        if best is None or best_tokens == 0:
+            best = self.least_loaded()
+            self.routing["least_loaded"] += 1
+        else:
+            self.routing["cache_aware"] += 1
+        assert best is not None
+        if reorder:
+            return best, best.weaver.order(docs, tenant)
+        best.weaver.tree(tenant).insert((d.id, d.tokens) for d in docs)  # what it now caches
+        return best, None
+
+    async def check(self, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+        async def one(u: Upstream) -> None:
+            try:
+                r = await client.get(u.url + "/health", timeout=timeout_s)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            u.healthy, u.last_check = ok, time.time()
+
+        await asyncio.gather(*(one(u) for u in self.upstreams))
+
+    async def watch(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        while True:
+            await self.check(client)
+            await asyncio.sleep(interval_s)
+
+    def mark_failed(self, u: Upstream) -> None:
+        u.failures += 1
+        u.healthy = False  # until the next health check says otherwise

