@@ -287,6 +287,12 @@ def serve_cmd(
 
 
 def main() -> None:
+    import signal
+    import sys
+
+    # SIGTERM unwinds like Ctrl-C, so servers a command started (vLLM, Redis, a proxy) are stopped by its
+    # finally blocks instead of being orphaned in their own process groups
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     app()

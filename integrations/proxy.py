@@ -117,6 +117,47 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+class AccessLog:
+    """Pure ASGI middleware (no body buffering, unlike ``BaseHTTPMiddleware``): stamps the arrival time
+    for the handlers (``scope["state"]["t0"]``) and logs one JSON line per request when it ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        scope.setdefault("state", {})["t0"] = t0
+        status = {}
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["ms_to_headers"] = round((time.perf_counter() - t0) * 1e3, 3)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            log.info(json.dumps({"method": scope["method"], "path": scope["path"], "status": status.get("code"),
+                                 "ms_to_headers": status.get("ms_to_headers"),
+                                 "ms_total": round((time.perf_counter() - t0) * 1e3, 3)}))
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, event (the message, parsed when it is JSON)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        try:
+            event = json.loads(msg)
+        except ValueError:
+            event = msg
+        return json.dumps({"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                           "event": event})
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
             422: "invalid_request_error", 502: "upstream_error", 503: "service_unavailable",
@@ -132,6 +173,8 @@ def create_app(settings: ProxySettings):
 
     def fail(status: int, message: str, param: str | None = None, route: str = "") -> JSONResponse:
         metrics.request(route, status)
+        if status >= 500:
+            log.warning(json.dumps({"route": route, "status": status, "error": message}))
         return JSONResponse(error_body(status, message, param), status_code=status)
 
     @contextlib.asynccontextmanager
@@ -149,6 +192,8 @@ def create_app(settings: ProxySettings):
 
     app = FastAPI(title="contextkit proxy", lifespan=lifespan)
     app.state.pool, app.state.metrics, app.state.settings = pool, metrics, settings
+
+    app.add_middleware(AccessLog)
 
     def renderer() -> Renderer:
         if "renderer" not in state:
@@ -177,7 +222,14 @@ def create_app(settings: ProxySettings):
         headers["content-type"] = "application/json"
         req = state["client"].build_request(method, u.url + path, content=content, headers=headers,
                                             params=request.query_params if request else None)
-        return await state["client"].send(req, stream=True)
+        try:
+            resp = await state["client"].send(req, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            # a pooled keep-alive connection the server had just closed: the request never reached it,
+            # so one retry on a fresh connection is safe (and is what every production proxy does)
+            resp = await state["client"].send(req, stream=True)
+        u.consecutive_failures = 0
+        return resp
 
     def upstream_failure(u: Upstream, exc: Exception, route: str) -> JSONResponse:
         if isinstance(exc, httpx.TimeoutException):
@@ -207,6 +259,7 @@ def create_app(settings: ProxySettings):
         if u is None:
             return fail(503, "no healthy upstream; check the vLLM servers' /health", route=route)
         t0 = time.perf_counter()
+        added_ms = (t0 - request.scope.get("state", {}).get("t0", t0)) * 1e3  # ours, before forwarding
         u.inflight += 1
         u.requests += 1
         try:
@@ -221,6 +274,7 @@ def create_app(settings: ProxySettings):
             return fail(502, f"upstream {u.url} answered {resp.status_code}: {text}", route=route)
         metrics.request(route, resp.status_code)
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
+        headers["x-contextkit-proxy-ms"] = f"{added_ms:.3f}"
         if "text/event-stream" in resp.headers.get("content-type", ""):
             return StreamingResponse(relay(u, resp, route, t0), status_code=resp.status_code, headers=headers)
         try:
@@ -338,10 +392,15 @@ def create_app(settings: ProxySettings):
     async def models(request: Request):
         return await passthrough(request, "GET", "/v1/models", "/v1/models")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await body_json(request)
-        return await passthrough(request, "POST", "/v1/completions", "/v1/completions", json.dumps(body).encode())
+    def forward_json(path: str):
+        async def route(request: Request):
+            body = await body_json(request)  # parsed: malformed JSON gets a 400 here, not upstream
+            return await passthrough(request, "POST", path, path, json.dumps(body).encode())
+
+        return route
+
+    for path in ("/v1/completions", "/tokenize", "/detokenize"):
+        app.add_api_route(path, forward_json(path), methods=["POST"])
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -351,16 +410,6 @@ def create_app(settings: ProxySettings):
         return await passthrough(request, "POST", "/v1/chat/completions", "/v1/chat/completions",
                                  json.dumps(body).encode())
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await body_json(request)
-        return await passthrough(request, "POST", "/tokenize", "/tokenize", json.dumps(body).encode())
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await body_json(request)
-        return await passthrough(request, "POST", "/detokenize", "/detokenize", json.dumps(body).encode())
-
     return app
 
 
@@ -368,6 +417,9 @@ def serve(settings: ProxySettings) -> None:
     """Run the proxy with uvicorn until SIGINT/SIGTERM; in-flight streams get ``graceful_shutdown_s``."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format='{"time": "%(asctime)s", "level": "%(levelname)s", "msg": %(message)r}')
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                 timeout_graceful_shutdown=int(settings.graceful_shutdown_s))

@@ -3,8 +3,9 @@
 Each upstream (a vLLM server) has its own ``Weaver``: the tree of evidence sequences it has served is a
 model of what its prefix cache holds. A documents request goes to the healthy upstream whose tree
 shares the longest reusable prefix with it (ties and misses: the least loaded); any other request goes
-to the least loaded. A background task checks ``/health``; a failing upstream is taken out of rotation
-and put back when it answers again.
+to the least loaded. A background task checks ``/health``; an upstream failing it is taken out of rotation
+and put back when it answers again; three failed requests in a row take it out too, unless it is the
+last one in rotation.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Upstream:
     inflight: int = 0
     requests: int = 0
     failures: int = 0
+    consecutive_failures: int = 0
     last_check: float = field(default=0.0)
 
 
@@ -78,6 +80,8 @@ class UpstreamPool:
             except httpx.HTTPError:
                 ok = False
             u.healthy, u.last_check = ok, time.time()
+            if ok:
+                u.consecutive_failures = 0
 
         await asyncio.gather(*(one(u) for u in self.upstreams))
 
@@ -86,6 +90,12 @@ class UpstreamPool:
             await self.check(client)
             await asyncio.sleep(interval_s)
 
-    def mark_failed(self, u: Upstream) -> None:
+    def mark_failed(self, u: Upstream, threshold: int = 3) -> None:
+        """A request to ``u`` failed. ``threshold`` failures in a row take it out of rotation until its
+        ``/health`` answers again, unless it is the last one in rotation (then the health check decides:
+        one dropped connection under load must not turn into a burst of 503s)."""
         u.failures += 1
-        u.healthy = False  # until the next health check says otherwise
+        u.consecutive_failures += 1
+        others = [x for x in self.upstreams if x.healthy and x is not u]
+        if u.consecutive_failures >= threshold and others:
+            u.healthy = False

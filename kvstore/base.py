@@ -46,6 +46,12 @@ class TierStats:
         with self._lock:
             self.counts[name] += n
 
+    def hit(self, nbytes: int, t0: float) -> None:
+        """A served get of ``nbytes`` that started at ``t0``."""
+        self.add("hits")
+        self.add("get_bytes", nbytes)
+        self.time("get", t0)
+
     def time(self, op: str, t0: float) -> None:
         samples = self.get_ms if op == "get" else self.put_ms
         with self._lock:

@@ -59,6 +59,11 @@ class Entry:
     def nbytes(self) -> int:
         return self.meta.nbytes
 
+    def check_for(self, key) -> None:
+        """Refuse to store this entry under a key it was not made for."""
+        if self.meta.digest != key.digest or self.meta.namespace != key.namespace:
+            raise ValueError("entry was made for another key")
+
     def owned(self) -> Entry:
         """This entry with tensors in memory of its own (a copy if they were borrowed)."""
         if not self.borrowed:

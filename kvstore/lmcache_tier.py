@@ -318,16 +318,13 @@ class LMCacheTier(BatchMixin):
             self._stats.add("misses")
             self.delete(key)
             return None
-        self._stats.add("hits")
-        self._stats.add("get_bytes", entry.nbytes)
-        self._stats.time("get", t0)
+        self._stats.hit(entry.nbytes, t0)
         return entry
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
         t0 = time.perf_counter()
-        if entry.meta.digest != key.digest or entry.meta.namespace != key.namespace:
-            raise ValueError("entry was made for another key")
+        entry.check_for(key)
         if not self._available():
             self._stats.add("errors")
             return

@@ -59,15 +59,12 @@ class MemoryTier(BatchMixin):
             heapq.heappush(self._heap, (pr, next(self._seq), key.digest))
             if len(self._heap) > 4 * len(self._entries) + 64:
                 self._compact()
-        self._stats.add("hits")
-        self._stats.add("get_bytes", entry.nbytes)
-        self._stats.time("get", t0)
+        self._stats.hit(entry.nbytes, t0)
         return entry
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         t0 = time.perf_counter()
-        if entry.meta.digest != key.digest or entry.meta.namespace != key.namespace:
-            raise ValueError("entry was made for another key")
+        entry.check_for(key)
         if entry.nbytes > self.max_bytes:
             return  # larger than the whole budget: not kept here
         entry = entry.owned()  # never keep a buffer LMCache lent

@@ -32,6 +32,7 @@ BENCHES = {
     "rope": "contextkit.bench.rope",
     "ordering": "contextkit.bench.ordering",
     "store": "contextkit.bench.store",
+    "proxy": "contextkit.bench.proxy",
 }
 
 
@@ -96,6 +97,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def timing_stats(prefix: str, ms: Sequence[float]) -> dict[str, float]:

@@ -15,12 +15,11 @@ time / the engine's prefill time of the same 2048 tokens, measured in the same r
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats, time_ms
 from contextkit.engine.model import Engine, parse_dtype
 from contextkit.kernels.rerotate import Rerotator, rerotate_reference
 from contextkit.kernels.rope import rope
@@ -28,13 +27,7 @@ from contextkit.kit import resolve_model_dir
 
 
 def _times(fn, reps: int) -> list[float]:
-    fn()  # warm up (first touch, kernel build)
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return time_ms(fn, reps, warmup=1)  # warm up: first touch, kernel build
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:

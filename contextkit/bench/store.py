@@ -26,22 +26,13 @@ from pathlib import Path
 
 import torch
 
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, time_ms
 from contextkit.errors import ConfigError
 from contextkit.kvstore.entry import encode_bytes
 from contextkit.spans.compile import compile_span, model_identity
 from contextkit.spans.store import LAYOUT
 
 TIERS = ("memory", "lmcache-cpu", "disk", "lm", "redis")
-
-
-def _ms(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def _tokens(n: int, tokenizer) -> tuple[int, ...]:
@@ -115,7 +106,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             mb = len(blob) / 1e6
             # raw baselines on the same bytes
             dk, dv = torch.empty_like(compiled.k), torch.empty_like(compiled.v)
-            copy = _ms(lambda: (dk.copy_(compiled.k), dv.copy_(compiled.v)), reps)
+            copy = time_ms(lambda: (dk.copy_(compiled.k), dv.copy_(compiled.v)), reps)
             raw_file = tmp / f"raw-{n}.bin"
             raw_file.write_bytes(blob)
             buf = bytearray(len(blob))
@@ -125,26 +116,26 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                     f.readinto(buf)
 
             readinto()
-            read = _ms(readinto, reps)
-            read_plain = _ms(raw_file.read_bytes, reps)
+            read = time_ms(readinto, reps)
+            read_plain = time_ms(raw_file.read_bytes, reps)
             redis_get = None
             if raw_redis is not None:
                 raw_redis.set(f"raw-{n}", blob)
                 raw_redis.get(f"raw-{n}")
-                redis_get = _ms(lambda: raw_redis.get(f"raw-{n}"), reps)
+                redis_get = time_ms(lambda: raw_redis.get(f"raw-{n}"), reps)
             baseline = {"memory": copy, "lmcache-cpu": copy, "disk": read, "lm": redis_get, "redis": redis_get}
             base_name = {"memory": "copy", "lmcache-cpu": "copy", "disk": "file read", "lm": "redis GET", "redis": "redis GET"}
             tick(f"{n} tokens: baselines")
             for name in tiers:
                 tier = made[name]
-                put = _ms(lambda: tier.put(key, entry), 1)
+                put = time_ms(lambda: tier.put(key, entry), 1)
                 visible = tier.wait_visible(key, 60) if hasattr(tier, "wait_visible") else True
                 if not visible:
                     raise ConfigError(f"tier {name} never made the {n}-token entry readable")
                 got = tier.get(key)
                 if got is None or not torch.equal(got.tensors["k"], compiled.k):
                     raise ConfigError(f"tier {name} returned a wrong or missing entry")
-                get = _ms(lambda: tier.get(key), reps)
+                get = time_ms(lambda: tier.get(key), reps)
                 base = baseline[name]
                 rows.append({
                     "tier": name, "tokens": n, "mb": round(mb, 2),

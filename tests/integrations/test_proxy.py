@@ -200,3 +200,38 @@ def test_proxy_cli_refuses_bad_settings():
     assert proc.returncode == 2 and "upstream" in proc.stderr.lower() and "Traceback" not in proc.stderr
     proc = cli("proxy", "--upstream", "ftp://nowhere:1")
     assert proc.returncode == 2 and "http://" in proc.stderr
+
+
+def test_proxy_process_finishes_in_flight_streams_on_sigterm(vllm_url, config):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from contextkit.integrations.vllm_server import health
+
+    port = free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "contextkit")
+    proc = subprocess.Popen([exe, "proxy", "--upstream", vllm_url, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, CONTEXTKIT_CACHE_DIR=str(config.cache_dir)))
+    try:
+        deadline = time.monotonic() + 60
+        while not health(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Count from one to fifty."}],
+                "max_tokens": 60, "temperature": 0, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and not lines:
+                    proc.send_signal(signal.SIGTERM)  # mid-stream: the stream must still finish
+                lines.append(line)
+        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        assert proc.wait(60) in (0, 143, -signal.SIGTERM)  # drained, then exited on the signal
+        events = [json.loads(x)["event"] for x in proc.stderr.read().splitlines() if x.startswith('{"time"')]
+        assert any(e.get("path") == "/v1/chat/completions" and e.get("status") == 200 for e in events)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

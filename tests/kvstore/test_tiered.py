@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from contextkit.config import KVStoreConfig
 from contextkit.errors import ConfigError

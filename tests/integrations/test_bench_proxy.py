@@ -1,0 +1,28 @@
+"""``contextkit bench proxy`` end to end on a tiny stream against the real vLLM server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli import cli
+from test_vllm_ordering import _requests
+from contextkit.bench.workload import write_trace
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_proxy_small_run(tmp_path, vllm_url):
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "proxy.json"
+    write_trace(_requests(2), trace)
+    proc = cli("bench", "proxy", "--upstream", vllm_url, "--trace", str(trace), "--n", "4", "--json", str(out),
+               "--set", "concurrency=1,4", "--set", "requests_per_level=4", "--set", "soak_s=3",
+               "--set", "max_tokens=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    phases = [r["phase"] for r in result["rows"]]
+    assert phases == ["overhead", "overhead", "documents", "documents", "soak"]
+    s = result["summary"]
+    assert {"overhead_ms_p50", "overhead_ms_p99", "errors", "docs_ttft_reduction_vs_direct", "rss_growth"} <= set(s)
+    assert s["errors"] == 0 and s["soak_requests"] > 0
