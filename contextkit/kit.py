@@ -117,9 +117,11 @@ class ContextKit:
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
         reuse: ReuseOptions | None = None,
+        namespace: str = "",
     ) -> Generation:
         """Answer ``question`` over ``documents``: full prefill, or span reuse per ``reuse``.
 
-        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
+        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled; ``namespace``
+        (a tenant) keeps span KV apart per tenant.
         """
-        return self.stream(question, documents, system, params, reuse).finish()
+        return self.stream(question, documents, system, params, reuse, namespace).finish()

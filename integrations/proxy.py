@@ -27,12 +27,12 @@ from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsCo
 from contextkit.integrations.proxy_docs import (
     RequestError, Renderer, chat_chunk, chat_from_completion, completion_body, parse, sse,
 )  # fmt: skip
+from contextkit.integrations.prom import Histogram
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
 from contextkit.ordering.weaver import Doc
 
 log = logging.getLogger("contextkit.proxy")
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ProxySettings(BaseSettings):
@@ -70,8 +70,7 @@ def load_settings(file: Path | None = None, **flags) -> ProxySettings:
 class Metrics:
     def __init__(self):
         self.requests: dict[tuple[str, int], int] = {}
-        self.ttft = [0] * (len(TTFT_BUCKETS) + 1)
-        self.ttft_sum = 0.0
+        self.ttft = Histogram("contextkit_proxy_ttft_seconds")
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.reorders = {"reordered": 0, "kept": 0}
@@ -80,12 +79,7 @@ class Metrics:
         self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
 
     def first_token(self, seconds: float) -> None:
-        self.ttft_sum += seconds
-        for i, b in enumerate(TTFT_BUCKETS):
-            if seconds <= b:
-                self.ttft[i] += 1
-                return
-        self.ttft[-1] += 1
+        self.ttft.observe(seconds)
 
     def usage(self, usage: dict | None) -> None:
         if usage:
@@ -96,14 +90,7 @@ class Metrics:
         p = "contextkit_proxy"
         out = [f"# TYPE {p}_requests_total counter"]
         out += [f'{p}_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
-        out.append(f"# TYPE {p}_ttft_seconds histogram")
-        acc = 0
-        for b, n in zip(TTFT_BUCKETS, self.ttft):
-            acc += n
-            out.append(f'{p}_ttft_seconds_bucket{{le="{b}"}} {acc}')
-        total = acc + self.ttft[-1]
-        out += [f'{p}_ttft_seconds_bucket{{le="+Inf"}} {total}', f"{p}_ttft_seconds_sum {self.ttft_sum:.6f}",
-                f"{p}_ttft_seconds_count {total}"]
+        out += self.ttft.lines()
         out += [f"# TYPE {p}_prompt_tokens_total counter", f"{p}_prompt_tokens_total {self.prompt_tokens}",
                 f"# TYPE {p}_cached_prompt_tokens_total counter", f"{p}_cached_prompt_tokens_total {self.cached_tokens}",
                 f"# TYPE {p}_reorder_decisions_total counter"]

@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from contextkit.engine.generate import SamplingParams, Stream
 from contextkit.errors import ConfigError, ContextKitError, InputError, PromptTooLongError
-from contextkit.integrations.proxy import TTFT_BUCKETS, error_body
+from contextkit.integrations.prom import Histogram
+from contextkit.integrations.proxy import error_body
 from contextkit.integrations.proxy_docs import OPTIONS, RequestError, parse, sse
 from contextkit.plan import ReuseOptions
 
@@ -65,18 +66,14 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
     app = FastAPI(title="contextkit serve")
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     counts: dict[tuple[str, int], int] = {}
-    ttft = [0] * (len(TTFT_BUCKETS) + 1)
+    ttft = Histogram("contextkit_serve_ttft_seconds")
     tokens = {"prompt": 0, "reused": 0, "recomputed": 0, "prefilled": 0}
 
     def count(route: str, status: int) -> None:
         counts[(route, status)] = counts.get((route, status), 0) + 1
 
     def first(seconds: float) -> None:
-        for i, b in enumerate(TTFT_BUCKETS):
-            if seconds <= b:
-                ttft[i] += 1
-                return
-        ttft[-1] += 1
+        ttft.observe(seconds)
 
     def fail(status: int, message: str, route: str, param: str | None = None) -> JSONResponse:
         count(route, status)
@@ -241,12 +238,7 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
         p = "contextkit_serve"
         out = [f"# TYPE {p}_requests_total counter"]
         out += [f'{p}_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(counts.items())]
-        out.append(f"# TYPE {p}_ttft_seconds histogram")
-        acc = 0
-        for b, n in zip(TTFT_BUCKETS, ttft):
-            acc += n
-            out.append(f'{p}_ttft_seconds_bucket{{le="{b}"}} {acc}')
-        out += [f'{p}_ttft_seconds_bucket{{le="+Inf"}} {acc + ttft[-1]}', f"{p}_ttft_seconds_count {acc + ttft[-1]}"]
+        out += ttft.lines()
         out.append(f"# TYPE {p}_span_tokens_total counter")
         out += [f'{p}_span_tokens_total{{kind="{k}"}} {v}' for k, v in tokens.items()]
         return PlainTextResponse("\n".join(out) + "\n" + kit.spans.store.kv.prometheus())

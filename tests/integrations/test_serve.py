@@ -59,6 +59,9 @@ def test_documents_become_spans_reused_by_the_next_request(served):
     want = kit.generate(ex["question"], [Evidence(d["text"], d["title"]) for d in docs[::-1]],
                         reuse=ReuseOptions(), params=SamplingParams(max_new_tokens=16))
     assert again.choices[0].message.content == want.text
+    other = kit.generate(ex["question"], [Evidence(d["text"], d["title"]) for d in docs], reuse=ReuseOptions(),
+                         params=SamplingParams(max_new_tokens=2), namespace="another-tenant")
+    assert other.reuse.misses >= len(docs) and other.reuse.hits == 0  # tenants never share span KV
     chunks = list(client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=16, temperature=0,
                                                  stream=True, extra_body={"documents": docs, "contextkit": {
                                                      "reuse": {"policy": "full"}}}))
@@ -78,6 +81,7 @@ def test_plain_chat_completions_models_and_metrics(served):
     assert streamed == c.choices[0].text
     m = httpx.get(s.url + "/metrics").text
     assert "contextkit_serve_requests_total" in m and 'contextkit_kvstore_hits_total{tier="memory"}' in m
+    assert 'contextkit_serve_ttft_seconds_bucket{le="+Inf"}' in m
 
 
 def test_bad_requests(served):
