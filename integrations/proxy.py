@@ -285,7 +285,7 @@ def create_app(settings: ProxySettings):
         if u is None:
             return fail(503, "no healthy upstream; check the vLLM servers' /health", route=route)
         order = result.order if result else tuple(range(len(docs)))
-        prompt, padding = rend.ids(req, order)
+        prompt, padding = rend.ids(req.messages, req.documents, order, req.block_align)
         metrics.reorders["reordered" if order != tuple(range(len(docs))) else "kept"] += 1
         limit = state.get(("max_model_len", u.url))
         if limit is None:

@@ -15,16 +15,16 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contextkit.ordering.align import align
-from contextkit.prompt import DEFAULT_SYSTEM, render_document
+from contextkit.prompt import DEFAULT_SYSTEM, render_document, render_frame
 from contextkit.tokenizer import Tokenizer
 from contextkit.types import Evidence
 
 OPTIONS = {"ordering", "tenant", "block_align"}
 ORDERINGS = ("weaver", "retrieval")
-_MARK = "\x00contextkit-documents\x00"
 # chat fields forwarded to /v1/completions as they are; anything else in a documents request is refused
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "min_tokens", "stream", "stream_options", "user", "logit_bias")
@@ -87,16 +87,21 @@ def parse(body: dict, options: set[str] = OPTIONS) -> DocRequest:
 
 
 class Renderer:
-    """Token segments of a documents request: prefix (template up to the documents), documents, tail."""
+    """Token segments of a request with documents: frame (the chat template before and after the
+    documents, ``contextkit.prompt.render_frame``) and one separately tokenized block per document,
+    optionally padded to the block size. Shared by the proxy and the benchmarks that send the same
+    prompts straight to vLLM, so both sides send the very same tokens."""
 
     def __init__(self, tokenizer: Tokenizer, block_size: int):
         self.tok = tokenizer
         self.block_size = block_size
-        self.pad_id = tokenizer.encode("\n")[-1]
+        self.pad_id = tokenizer.encode("\n")[-1]  # a blank line: the least intrusive filler we can send
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._frames: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def doc_ids(self, doc: Evidence) -> tuple[int, ...]:
-        key = doc.id or ""
+        """The document's tokens, cached by content (a client may reuse an id for another text)."""
+        key = hashlib.sha256(f"{doc.title or ''}\x00{doc.text}".encode()).hexdigest()
         ids = self._cache.get(key)
         if ids is None:
             ids = tuple(self.tok.encode(render_document(doc)))
@@ -105,20 +110,27 @@ class Renderer:
             self._cache[key] = ids
         return ids
 
-    def frame(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        msgs = [dict(m) for m in messages]
-        if not any(m["role"] == "system" for m in msgs):
-            msgs.insert(0, {"role": "system", "content": DEFAULT_SYSTEM})
-        last = max(i for i, m in enumerate(msgs) if m["role"] == "user" and isinstance(m.get("content"), str))
-        msgs[last]["content"] = _MARK + "Question: " + msgs[last]["content"].strip()
-        text = self.tok.render_chat([{"role": m["role"], "content": m.get("content") or ""} for m in msgs])
-        head, tail = text.split(_MARK)
-        return self.tok.encode(head), self.tok.encode(tail)
+    def frame(self, messages: list[dict]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Prefix and suffix ids; without a system message the default one is used. Cached per
+        conversation: the chat template and tokenizer run once for a repeated question."""
+        key = json.dumps(messages, sort_keys=True)
+        got = self._frames.get(key)
+        if got is None:
+            if not any(m.get("role") == "system" for m in messages):
+                messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
+            head, tail = render_frame(self.tok, messages)
+            got = (tuple(head), tuple(tail))  # shared by later requests: immutable
+            if len(self._frames) > 10_000:
+                self._frames.clear()
+            self._frames[key] = got
+        return got
 
-    def ids(self, req: DocRequest, order: tuple[int, ...]) -> tuple[list[int], int]:
-        head, tail = self.frame(req.messages)
-        docs = [self.doc_ids(req.documents[i]) for i in order]
-        if req.block_align:
+    def ids(self, messages: list[dict], documents: Sequence[Evidence], order: Sequence[int],
+            block_align: bool = False) -> tuple[list[int], int]:
+        """The prompt with ``documents`` in ``order``, and the pad tokens it holds."""
+        head, tail = self.frame(messages)
+        docs = [self.doc_ids(documents[i]) for i in order]
+        if block_align:
             a = align(head, docs, self.block_size, self.pad_id)
             return a.ids(tail), a.padding
         return [*head, *(t for d in docs for t in d), *tail], 0

@@ -36,11 +36,11 @@ from contextkit.bench.metrics import answer_em, answer_f1
 from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace, write_trace
 from contextkit.errors import ConfigError
 from contextkit.integrations.openai_client import CompletionClient
+from contextkit.integrations.proxy_docs import Renderer
 from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
 from contextkit.models import prepare
-from contextkit.ordering.align import align, pad_to_block
+from contextkit.ordering.align import pad_to_block
 from contextkit.ordering.weaver import Doc, Weaver, oracle
-from contextkit.prompt import render_segments
 from contextkit.tokenizer import Tokenizer
 from contextkit.types import Evidence
 
@@ -64,36 +64,33 @@ def load_stream(ctx: BenchContext, k: int) -> list[TraceRequest]:
     return requests
 
 
-class Renderer:
-    """Token ids for a request in a given order; documents are tokenized once and reused by id."""
+class TraceRenderer:
+    """Trace requests through the proxy's renderer (``integrations.proxy_docs.Renderer``), so a bench
+    that sends token ids straight to vLLM sends exactly the tokens the proxy would."""
 
     def __init__(self, tokenizer: Tokenizer, block_size: int):
+        self.shared = Renderer(tokenizer, block_size)
         self.tok = tokenizer
-        self.block_size = block_size
-        self.pad_id = tokenizer.encode("\n")[-1]  # a blank line: the least intrusive filler we can send
-        self._docs: dict[str, tuple[int, ...]] = {}
-        self._frame: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    @staticmethod
+    def messages(req: TraceRequest) -> list[dict]:
+        return [{"role": "user", "content": req.question}]
+
+    @staticmethod
+    def documents(req: TraceRequest) -> list[Evidence]:
+        return [Evidence(d.text, d.title or None, d.id) for d in req.documents]
 
     def doc_tokens(self, req: TraceRequest) -> list[tuple[int, ...]]:
-        missing = [d for d in req.documents if d.id not in self._docs]
-        if missing or req.question not in self._frame:
-            seg = render_segments(self.tok, req.question, [Evidence(d.text, d.title or None, d.id) for d in req.documents])
-            self._frame[req.question] = (seg.prefix, seg.suffix)
-            for d, ids in zip(req.documents, seg.documents):
-                self._docs.setdefault(d.id, ids)
-        return [self._docs[d.id] for d in req.documents]
+        return [self.shared.doc_ids(e) for e in self.documents(req)]
+
+    def prefix(self, req: TraceRequest) -> tuple[int, ...]:
+        return self.shared.frame(self.messages(req))[0]
 
     def ids(self, req: TraceRequest, order: tuple[int, ...], aligned: bool) -> tuple[list[int], int]:
-        docs = self.doc_tokens(req)
-        prefix, suffix = self._frame[req.question]
-        ordered = [docs[i] for i in order]
-        if aligned:
-            a = align(prefix, ordered, self.block_size, self.pad_id)
-            return a.ids(suffix), a.padding
-        return [*prefix, *(t for d in ordered for t in d), *suffix], 0
+        return self.shared.ids(self.messages(req), self.documents(req), order, aligned)
 
 
-def overhead_us(requests: list[TraceRequest], renderer: Renderer, sequences: int, block_size: int, seed: int) -> list[float]:
+def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences: int, block_size: int, seed: int) -> list[float]:
     """Per-call ``Weaver.order`` time with ``sequences`` served sequences in the tree (one tenant)."""
     rng = random.Random(seed)
     weaver = Weaver(block_size=block_size, max_nodes=max(100_000, sequences * 12))
@@ -121,7 +118,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         raise ConfigError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
     requests = load_stream(ctx, k)
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
-    renderer = Renderer(Tokenizer(model_dir), block)
+    renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
     server = None
     if not upstream:

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
-from contextkit.bench.ordering import Renderer, load_stream
+from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.errors import ConfigError
 from contextkit.integrations.vllm_server import (
     VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model, wait_for_health,
@@ -154,7 +154,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     block = ctx.option("block_size", 32, int)
     requests = load_stream(ctx, ctx.option("k", 10, int))
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
-    renderer = Renderer(Tokenizer(model_dir), block)
+    renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
     server = proxy_proc = None
     logs = ctx.config.cache_dir / "logs"

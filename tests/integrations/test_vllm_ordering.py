@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from contextkit.bench.ordering import Renderer
+from contextkit.bench.ordering import TraceRenderer
 from contextkit.bench.workload import TraceDoc, TraceRequest, write_trace
 from contextkit.integrations.openai_client import CompletionClient
 from contextkit.integrations.vllm_server import served_model
@@ -32,7 +32,7 @@ def client(vllm_url):
 
 @pytest.fixture(scope="module")
 def renderer(smol_dir):
-    return Renderer(Tokenizer(smol_dir), BLOCK)
+    return TraceRenderer(Tokenizer(smol_dir), BLOCK)
 
 
 def _requests(n_items: int = 3) -> list[TraceRequest]:
@@ -71,7 +71,7 @@ def test_reordered_evidence_hits_the_prefix_cache(client, renderer):
     c1, ids1 = _send(client, renderer, weaver, first, salt_w)
     assert c1.cached_tokens == 0
     c2, ids2 = _send(client, renderer, weaver, again, salt_w)
-    prefix_len = len(renderer._frame[first.question][0])
+    prefix_len = len(renderer.prefix(first))
     docs_len = sum(len(t) for t in renderer.doc_tokens(first))
     shared = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b)
     assert shared >= prefix_len + docs_len  # the weaver restored the served order: all documents shared
