@@ -29,3 +29,21 @@ class Histogram:
         total = acc + self.counts[-1]
         return out + [f'{self.name}_bucket{{le="+Inf"}} {total}', f"{self.name}_sum {self.sum:.6f}",
                       f"{self.name}_count {total}"]
+
+
+class Counter:
+    """A counter with labels: ``inc(*values)``; rendered one line per label set, sorted."""
+
+    def __init__(self, name: str, labels: Sequence[str]):
+        self.name, self.labels = name, tuple(labels)
+        self.values: dict[tuple, int] = {}
+
+    def inc(self, *values, n: int = 1) -> None:
+        self.values[values] = self.values.get(values, 0) + n
+
+    def lines(self) -> list[str]:
+        out = [f"# TYPE {self.name} counter"]
+        for vals, n in sorted(self.values.items(), key=lambda kv: tuple(map(str, kv[0]))):
+            labels = ",".join(f'{k}="{v}"' for k, v in zip(self.labels, vals))
+            out.append(f"{self.name}{{{labels}}} {n}")
+        return out

@@ -24,10 +24,10 @@ from fastapi import FastAPI, Request  # module level: route signatures are resol
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
 
+from contextkit.integrations.prom import Counter, Histogram
 from contextkit.integrations.proxy_docs import (
-    RequestError, Renderer, chat_chunk, chat_from_completion, completion_body, parse, sse,
+    RequestError, Renderer, chat_chunk, chat_from_completion, completion_body, json_body, parse, sse,
 )  # fmt: skip
-from contextkit.integrations.prom import Histogram
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
 from contextkit.ordering.weaver import Doc
 
@@ -69,14 +69,14 @@ def load_settings(file: Path | None = None, **flags) -> ProxySettings:
 
 class Metrics:
     def __init__(self):
-        self.requests: dict[tuple[str, int], int] = {}
+        self.requests = Counter("contextkit_proxy_requests_total", ("route", "status"))
         self.ttft = Histogram("contextkit_proxy_ttft_seconds")
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.reorders = {"reordered": 0, "kept": 0}
 
     def request(self, route: str, status: int) -> None:
-        self.requests[(route, status)] = self.requests.get((route, status), 0) + 1
+        self.requests.inc(route, status)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -88,9 +88,7 @@ class Metrics:
 
     def text(self, pool: UpstreamPool) -> str:
         p = "contextkit_proxy"
-        out = [f"# TYPE {p}_requests_total counter"]
-        out += [f'{p}_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())]
-        out += self.ttft.lines()
+        out = self.requests.lines() + self.ttft.lines()
         out += [f"# TYPE {p}_prompt_tokens_total counter", f"{p}_prompt_tokens_total {self.prompt_tokens}",
                 f"# TYPE {p}_cached_prompt_tokens_total counter", f"{p}_cached_prompt_tokens_total {self.cached_tokens}",
                 f"# TYPE {p}_reorder_decisions_total counter"]
@@ -193,16 +191,7 @@ def create_app(settings: ProxySettings):
         return state["renderer"]
 
     async def body_json(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise RequestError(413, f"request body is {len(raw)} bytes, over the proxy's limit of {settings.max_body_bytes}")
-        try:
-            body = json.loads(raw or b"null")
-        except json.JSONDecodeError as exc:
-            raise RequestError(400, f"request body is not valid JSON ({exc.msg} at position {exc.pos})") from exc
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        return body
+        return json_body(await request.body(), settings.max_body_bytes)
 
     async def open_upstream(u: Upstream, method: str, path: str, request: Request | None, content: bytes | None):
         headers = {k: v for k, v in (request.headers.items() if request else ()) if k.lower() not in HOP}
@@ -241,12 +230,9 @@ def create_app(settings: ProxySettings):
             await resp.aclose()
             u.inflight -= 1
 
-    async def passthrough(request: Request, method: str, path: str, route: str, body: bytes | None = None):
-        u = pool.least_loaded()
-        if u is None:
-            return fail(503, "no healthy upstream; check the vLLM servers' /health", route=route)
-        t0 = time.perf_counter()
-        added_ms = (t0 - request.scope.get("state", {}).get("t0", t0)) * 1e3  # ours, before forwarding
+    async def start(u: Upstream, method: str, path: str, request: Request | None, body: bytes | None, route: str):
+        """Open a request to ``u`` counting it in flight; a connection failure or a 5xx answer becomes our
+        502/504 (and releases the slot). Returns the open response or the error to send."""
         u.inflight += 1
         u.requests += 1
         try:
@@ -259,6 +245,17 @@ def create_app(settings: ProxySettings):
             await resp.aclose()
             u.inflight -= 1
             return fail(502, f"upstream {u.url} answered {resp.status_code}: {text}", route=route)
+        return resp
+
+    async def passthrough(request: Request, method: str, path: str, route: str, body: bytes | None = None):
+        u = pool.least_loaded()
+        if u is None:
+            return fail(503, "no healthy upstream; check the vLLM servers' /health", route=route)
+        t0 = time.perf_counter()
+        added_ms = (t0 - request.scope.get("state", {}).get("t0", t0)) * 1e3  # ours, before forwarding
+        resp = await start(u, method, path, request, body, route)
+        if isinstance(resp, Response):
+            return resp
         metrics.request(route, resp.status_code)
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
         headers["x-contextkit-proxy-ms"] = f"{added_ms:.3f}"
@@ -287,9 +284,7 @@ def create_app(settings: ProxySettings):
         order = result.order if result else tuple(range(len(docs)))
         prompt, padding = rend.ids(req.messages, req.documents, order, req.block_align)
         metrics.reorders["reordered" if order != tuple(range(len(docs))) else "kept"] += 1
-        limit = state.get(("max_model_len", u.url))
-        if limit is None:
-            limit = await model_len(u)
+        limit = await model_len(u)
         want = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         if limit and len(prompt) + want > limit:
             return fail(413, f"the rendered prompt is {len(prompt)} tokens plus {want} to generate, over the "
@@ -300,19 +295,13 @@ def create_app(settings: ProxySettings):
                "tenant": req.tenant, "padding_tokens": padding, "prompt_tokens": len(prompt)}
         payload = json.dumps(completion_body(body, prompt, req.tenant)).encode()
         t0 = time.perf_counter()
-        u.inflight += 1
-        u.requests += 1
-        try:
-            resp = await open_upstream(u, "POST", "/v1/completions", None, payload)
-        except httpx.HTTPError as exc:
-            u.inflight -= 1
-            return upstream_failure(u, exc, route)
-        if resp.status_code != 200:
+        resp = await start(u, "POST", "/v1/completions", None, payload, route)
+        if isinstance(resp, Response):
+            return resp
+        if resp.status_code != 200:  # the upstream refused the request: its own error, as it is
             text = (await resp.aread()).decode(errors="replace")[:500]
             await resp.aclose()
             u.inflight -= 1
-            if resp.status_code >= 500:
-                return fail(502, f"upstream {u.url} answered {resp.status_code}: {text}", route=route)
             metrics.request(route, resp.status_code)
             return Response(text, status_code=resp.status_code, media_type="application/json")
         metrics.request(route, 200)
@@ -353,6 +342,9 @@ def create_app(settings: ProxySettings):
             u.inflight -= 1
 
     async def model_len(u: Upstream) -> int | None:
+        """The upstream's context length from ``/v1/models``, asked once (a failed lookup is retried)."""
+        if ("max_model_len", u.url) in state:
+            return state[("max_model_len", u.url)]
         try:
             r = await state["client"].get(u.url + "/v1/models", timeout=settings.connect_timeout_s)
             n = int(r.json()["data"][0].get("max_model_len") or 0) or None
@@ -381,8 +373,8 @@ def create_app(settings: ProxySettings):
 
     def forward_json(path: str):
         async def route(request: Request):
-            body = await body_json(request)  # parsed: malformed JSON gets a 400 here, not upstream
-            return await passthrough(request, "POST", path, path, json.dumps(body).encode())
+            await body_json(request)  # checked: malformed JSON gets a 400 here, not upstream
+            return await passthrough(request, "POST", path, path, await request.body())  # the client's bytes
 
         return route
 
@@ -395,7 +387,7 @@ def create_app(settings: ProxySettings):
         if "documents" in body or "contextkit" in body:
             return await documents(request, body)
         return await passthrough(request, "POST", "/v1/chat/completions", "/v1/chat/completions",
-                                 json.dumps(body).encode())
+                                 await request.body())
 
     return app
 

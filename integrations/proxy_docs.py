@@ -48,6 +48,19 @@ class DocRequest:
     block_align: bool
 
 
+def json_body(raw: bytes, max_bytes: int | None = None) -> dict:
+    """A request body as a JSON object, or a ``RequestError`` (413 too large, 400 not a JSON object)."""
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise RequestError(413, f"request body is {len(raw)} bytes, over the limit of {max_bytes}")
+    try:
+        body = json.loads(raw or b"null")
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"request body is not valid JSON ({exc.msg} at position {exc.pos})") from exc
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    return body
+
+
 def parse(body: dict, options: set[str] = OPTIONS) -> DocRequest:
     """Check a documents request; every problem is a ``RequestError`` saying what to fix."""
     unknown = sorted(set(body) - ACCEPTED)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import time
 import uuid
 
@@ -24,9 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from contextkit.engine.generate import SamplingParams, Stream
 from contextkit.errors import ConfigError, ContextKitError, InputError, PromptTooLongError
-from contextkit.integrations.prom import Histogram
+from contextkit.integrations.prom import Counter, Histogram
 from contextkit.integrations.proxy import error_body
-from contextkit.integrations.proxy_docs import OPTIONS, RequestError, parse, sse
+from contextkit.integrations.proxy_docs import OPTIONS, RequestError, json_body, parse, sse
 from contextkit.plan import ReuseOptions
 
 _DONE = object()
@@ -65,12 +64,12 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
     """An OpenAI-compatible app over a ``ContextKit`` (its engine, tokenizer and span cache)."""
     app = FastAPI(title="contextkit serve")
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-    counts: dict[tuple[str, int], int] = {}
+    counts = Counter("contextkit_serve_requests_total", ("route", "status"))
     ttft = Histogram("contextkit_serve_ttft_seconds")
     tokens = {"prompt": 0, "reused": 0, "recomputed": 0, "prefilled": 0}
 
     def count(route: str, status: int) -> None:
-        counts[(route, status)] = counts.get((route, status), 0) + 1
+        counts.inc(route, status)
 
     def first(seconds: float) -> None:
         ttft.observe(seconds)
@@ -80,13 +79,7 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
         return JSONResponse(error_body(status, message, param), status_code=status)
 
     async def body_json(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except json.JSONDecodeError as exc:
-            raise RequestError(400, f"request body is not valid JSON ({exc.msg} at position {exc.pos})") from exc
-        if not isinstance(body, dict):
-            raise RequestError(400, "request body must be a JSON object")
-        return body
+        return json_body(await request.body())
 
     def usage(stream: Stream, completion: int) -> dict:
         rep = stream.report
@@ -236,9 +229,7 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         p = "contextkit_serve"
-        out = [f"# TYPE {p}_requests_total counter"]
-        out += [f'{p}_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(counts.items())]
-        out += ttft.lines()
+        out = counts.lines() + ttft.lines()
         out.append(f"# TYPE {p}_span_tokens_total counter")
         out += [f'{p}_span_tokens_total{{kind="{k}"}} {v}' for k, v in tokens.items()]
         return PlainTextResponse("\n".join(out) + "\n" + kit.spans.store.kv.prometheus())
