@@ -115,16 +115,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 with open(raw_file, "rb", buffering=0) as f:
                     f.readinto(buf)
 
-            readinto()
-            read = time_ms(readinto, reps)
+            read = time_ms(readinto, reps, warmup=1)
             read_plain = time_ms(raw_file.read_bytes, reps)
             redis_get = None
             if raw_redis is not None:
                 raw_redis.set(f"raw-{n}", blob)
-                raw_redis.get(f"raw-{n}")
-                redis_get = time_ms(lambda: raw_redis.get(f"raw-{n}"), reps)
-            baseline = {"memory": copy, "lmcache-cpu": copy, "disk": read, "lm": redis_get, "redis": redis_get}
-            base_name = {"memory": "copy", "lmcache-cpu": "copy", "disk": "file read", "lm": "redis GET", "redis": "redis GET"}
+                redis_get = time_ms(lambda: raw_redis.get(f"raw-{n}"), reps, warmup=1)
+            baseline = {"memory": ("copy", copy), "lmcache-cpu": ("copy", copy), "disk": ("file read", read),
+                        "lm": ("redis GET", redis_get), "redis": ("redis GET", redis_get)}
             tick(f"{n} tokens: baselines")
             for name in tiers:
                 tier = made[name]
@@ -136,13 +134,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 if got is None or not torch.equal(got.tensors["k"], compiled.k):
                     raise ConfigError(f"tier {name} returned a wrong or missing entry")
                 get = time_ms(lambda: tier.get(key), reps)
-                base = baseline[name]
+                base_name, base = baseline[name]
                 rows.append({
                     "tier": name, "tokens": n, "mb": round(mb, 2),
                     "get_ms_p50": round(percentile(get, 50), 3), "get_ms_p99": round(percentile(get, 99), 3),
                     "get_gb_s": round(mb / 1e3 / (statistics.median(get) / 1e3), 2),
                     "put_ms": round(put[0], 3),
-                    "baseline": base_name[name],
+                    "baseline": base_name,
                     "baseline_ms_p50": round(percentile(base, 50), 3) if base else None,
                     "get_vs_baseline": round(statistics.median(get) / statistics.median(base), 3) if base else None,
                     "fetch_vs_compile": round(statistics.median(get) / compile_ms[n], 5),
