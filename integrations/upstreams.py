@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from contextkit.errors import ConfigError
 from contextkit.ordering.weaver import Doc, OrderResult, Weaver
@@ -72,12 +72,12 @@ class UpstreamPool:
         best.weaver.tree(tenant).insert((d.id, d.tokens) for d in docs)  # what it now caches
         return best, None
 
-    async def check(self, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+    async def check(self, client: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
         async def one(u: Upstream) -> None:
             try:
-                r = await client.get(u.url + "/health", timeout=timeout_s)
-                ok = r.status_code == 200
-            except httpx.HTTPError:
+                async with client.get(u.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
                 ok = False
             u.healthy, u.last_check = ok, time.time()
             if ok:
@@ -85,7 +85,7 @@ class UpstreamPool:
 
         await asyncio.gather(*(one(u) for u in self.upstreams))
 
-    async def watch(self, client: httpx.AsyncClient, interval_s: float) -> None:
+    async def watch(self, client: aiohttp.ClientSession, interval_s: float) -> None:
         while True:
             await self.check(client)
             await asyncio.sleep(interval_s)

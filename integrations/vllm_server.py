@@ -49,6 +49,7 @@ class VLLMServerConfig:
     dev_mode: bool = True  # exposes POST /reset_prefix_cache, which benchmarks use between policies
     python: str = ""
     extra_args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = ()  # run the whole server on these cores (vLLM's OpenMP threads bound to them)
     startup_timeout_s: float = 300.0
     log_file: Path | None = None
 
@@ -57,6 +58,9 @@ class VLLMServerConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if not (0 < self.memory_utilization <= 1):
             raise ConfigError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        bad = [c for c in self.cpus if c not in os.sched_getaffinity(0)]
+        if bad:
+            raise ConfigError(f"cpus {bad} are not available to this process (have {sorted(os.sched_getaffinity(0))})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -96,8 +100,9 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         c = self.config
+        pin = ["taskset", "-c", ",".join(map(str, c.cpus))] if c.cpus else []
         return [
-            vllm_python(c.python), "-m", "vllm.entrypoints.openai.api_server",
+            *pin, vllm_python(c.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(c.model_dir), "--served-model-name", c.served_name,
             "--host", c.host, "--port", str(self.port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
@@ -124,6 +129,8 @@ class VLLMServer:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib), VLLM_LOGGING_LEVEL="WARNING")
         if c.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if c.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, c.cpus))
         self._log = open(c.log_file, "ab") if c.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True

@@ -25,6 +25,7 @@ Summary: ``overhead_ms_p50``, ``overhead_ms_p99`` (at the highest concurrency), 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -33,7 +34,7 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.ordering import TraceRenderer, load_stream
@@ -45,24 +46,29 @@ from contextkit.models import prepare
 from contextkit.tokenizer import Tokenizer
 
 
-async def _ttft(client: httpx.AsyncClient, url: str, body: dict, internal: list | None = None) -> tuple[float, bool]:
-    """(ms to the first content chunk, ok) of one streaming request; appends the proxy's own
-    pre-forwarding time (its ``x-contextkit-proxy-ms`` header) to ``internal`` when given."""
+async def _ttft(session: aiohttp.ClientSession, url: str, body: dict, rid: str | None = None) -> tuple[float, bool]:
+    """(ms to the first content chunk, ok) of one streaming request; ``rid`` goes out as ``x-request-id``
+    (the proxy logs its own timings under it)."""
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
+        async with session.post(url, json=body, headers={"x-request-id": rid} if rid else None) as r:
+            if r.status != 200:
+                await r.read()
                 return (time.perf_counter() - t0) * 1e3, False
-            if internal is not None and "x-contextkit-proxy-ms" in r.headers:
-                internal.append(float(r.headers["x-contextkit-proxy-ms"]))
             first = None
-            async for line in r.aiter_lines():
-                if first is None and line.startswith("data:") and '"choices":[{' in line.replace(" ", ""):
+            async for line in r.content:
+                if first is None and line.startswith(b"data:") and b'"choices":[{' in line.replace(b" ", b""):
                     first = time.perf_counter()
             return ((first or time.perf_counter()) - t0) * 1e3, True
-    except httpx.HTTPError:
+    except (aiohttp.ClientError, TimeoutError):
         return (time.perf_counter() - t0) * 1e3, False
+
+
+def _session(connections: int) -> aiohttp.ClientSession:
+    # aiohttp, like the proxy: httpx's pool costs O(connections) per event, which at 64 streams made
+    # the load generator itself a CPU hog competing with what it measures
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=600))
 
 
 def _rss_kb(pid: int) -> int:
@@ -72,11 +78,32 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-async def _overhead(direct: str, proxy: str, model: str, questions: list[str], conc: int, max_tokens: int):
-    limits = httpx.Limits(max_connections=conc * 2 + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proxy_timings(log: Path, offset: int) -> dict[str, dict]:
+    """The proxy's access-log records (JSON lines) written after ``offset``, by request id."""
+    out = {}
+    with open(log, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            try:
+                event = json.loads(line).get("event")
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("request_id"):
+                out[event["request_id"]] = event
+    return out
+
+
+async def _overhead(a: str, b: str, model: str, questions: list[str], conc: int, max_tokens: int):
+    """Each request sent to ``a`` and to ``b`` back to back (alternating which goes first, each with its
+    own ``cache_salt``). Returns the (a, b) TTFT pairs, errors, and b's TTFT by request id."""
+    async with _session(conc * 2 + 8) as session:
         work = list(enumerate(questions))
-        pairs, errors, internal = [], 0, []
+        pairs, errors, by_id = [], 0, {}
 
         async def worker() -> None:
             nonlocal errors
@@ -86,33 +113,34 @@ async def _overhead(direct: str, proxy: str, model: str, questions: list[str], c
                         "temperature": 0, "stream": True}
                 # back to back, alternating which goes first (sending both at once makes the second
                 # arrival wait one engine step on a CPU server: that measured vLLM, not the proxy)
-                sends = [direct, proxy] if i % 2 else [proxy, direct]
-                got = {}
-                for base in sends:
-                    got[base] = await _ttft(client, base + "/v1/chat/completions",
-                                            {**body, "cache_salt": uuid.uuid4().hex},
-                                            internal if base == proxy else None)
-                if got[direct][1] and got[proxy][1]:
-                    pairs.append((got[direct][0], got[proxy][0]))
+                got = [None, None]
+                for arm in ((0, 1) if i % 2 else (1, 0)):
+                    rid = uuid.uuid4().hex
+                    got[arm] = await _ttft(session, (a, b)[arm] + "/v1/chat/completions",
+                                           {**body, "cache_salt": uuid.uuid4().hex}, rid)
+                    if arm == 1 and got[1][1]:
+                        by_id[rid] = got[1][0]
+                if got[0][1] and got[1][1]:
+                    pairs.append((got[0][0], got[1][0]))
                 else:
                     errors += 1
 
         await asyncio.gather(*(worker() for _ in range(conc)))
-    return pairs, errors, internal
+    return pairs, errors, by_id
 
 
 async def _soak(proxy: str, model: str, questions: list[str], seconds: float, pid: int, max_tokens: int):
     deadline = time.monotonic() + seconds
     rss = {}
     ok = errors = 0
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=200)) as client:
+    async with _session(200) as session:
         async def worker(w: int) -> None:
             nonlocal ok, errors
             i = w
             while time.monotonic() < deadline:
                 body = {"model": model, "messages": [{"role": "user", "content": questions[i % len(questions)]}],
                         "max_tokens": max_tokens, "temperature": 0, "stream": True}
-                _, good = await _ttft(client, proxy + "/v1/chat/completions", body)
+                _, good = await _ttft(session, proxy + "/v1/chat/completions", body)
                 ok, errors = ok + good, errors + (not good)
                 i += 64
 
@@ -127,23 +155,51 @@ async def _soak(proxy: str, model: str, questions: list[str], seconds: float, pi
     return ok, errors, rss
 
 
-async def _docs(client: httpx.AsyncClient, direct: str, proxy: str, model: str, requests, renderer, max_tokens):
+async def _docs(direct: str, proxy: str, model: str, requests, renderer, max_tokens):
     rows = {"direct": [], "proxy": []}
-    reset_prefix_cache(direct)
-    for req in requests:
-        ids, _ = renderer.ids(req, tuple(range(len(req.documents))), aligned=False)
-        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        if req.tenant:
-            body["cache_salt"] = req.tenant
-        rows["direct"].append(await _ttft(client, direct + "/v1/completions", body))
-    reset_prefix_cache(direct)
-    for req in requests:
-        body = {"model": model, "messages": [{"role": "user", "content": req.question}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True,
-                "documents": [{"id": d.id, "title": d.title, "text": d.text} for d in req.documents],
-                "contextkit": {"tenant": req.tenant}}
-        rows["proxy"].append(await _ttft(client, proxy + "/v1/chat/completions", body))
+    async with _session(8) as session:
+        reset_prefix_cache(direct)
+        for req in requests:
+            ids, _ = renderer.ids(req, tuple(range(len(req.documents))), aligned=False)
+            body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+            if req.tenant:
+                body["cache_salt"] = req.tenant
+            rows["direct"].append(await _ttft(session, direct + "/v1/completions", body))
+        reset_prefix_cache(direct)
+        for req in requests:
+            body = {"model": model, "messages": [{"role": "user", "content": req.question}],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "documents": [{"id": d.id, "title": d.title, "text": d.text} for d in req.documents],
+                    "contextkit": {"tenant": req.tenant}}
+            rows["proxy"].append(await _ttft(session, proxy + "/v1/chat/completions", body))
     return rows
+
+
+def _split_cpus(option: str, starting_engine: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(engine cores, proxy + client cores). Default: when the bench starts vLLM on a machine with >= 2
+    cores, the engine gets all but the last and the proxy and the load generator the last, as a proxy in
+    front of a GPU server has a core of its own; ``--set pin=0`` shares all cores."""
+    have = sorted(os.sched_getaffinity(0))
+    if option in ("0", "no", "false") or not starting_engine or len(have) < 2:
+        return (), ()
+    return tuple(have[:-1]), (have[-1],)
+
+
+def _overhead_row(label: str, conc: int, pairs, errs: int, by_id: dict, timings: dict, cpu_ms: float | None) -> dict:
+    diff = [b - a for a, b in pairs]
+    same = [ms - timings[rid]["upstream_ttft_ms"] for rid, ms in by_id.items()
+            if timings.get(rid, {}).get("upstream_ttft_ms") is not None]
+    ours = [timings[rid]["proxy_ms"] for rid in by_id if timings.get(rid, {}).get("proxy_ms") is not None]
+
+    def q(xs, pct):
+        return round(percentile(xs, pct), 3) if xs else None
+
+    return {"phase": label, "concurrency": conc, "requests": len(pairs), "errors": errs,
+            "direct_ttft_ms_p50": round(percentile([a for a, _ in pairs], 50), 2),
+            "proxy_ttft_ms_p50": round(percentile([b for _, b in pairs], 50), 2),
+            "overhead_ms_p50": q(same, 50), "overhead_ms_p99": q(same, 99), "matched": len(same),
+            "paired_overhead_ms_p50": q(diff, 50), "paired_overhead_ms_p99": q(diff, 99),
+            "proxy_ms_p50": q(ours, 50), "proxy_ms_p99": q(ours, 99), "proxy_cpu_ms_per_request": cpu_ms}
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -152,59 +208,61 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     max_tokens = ctx.option("max_tokens", 8, int)
     soak_s = ctx.option("soak_s", 0.0, float)
     block = ctx.option("block_size", 32, int)
+    control = ctx.option("control", 1, int)
     requests = load_stream(ctx, ctx.option("k", 10, int))
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
+    engine_cpus, proxy_cpus = _split_cpus(ctx.option("pin", "1"), starting_engine=not upstream)
     server = proxy_proc = None
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    proxy_log = logs / "bench-proxy.log"
     rows: list[dict] = []
     summary: dict = {}
+    affinity = os.sched_getaffinity(0)
     try:
         if not upstream:
             tick("starting vLLM")
-            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, cpus=engine_cpus,
                                                  log_file=logs / "bench-proxy-vllm.log")).start()
             upstream = server.url
         model = served_model(upstream)
         port = free_port()
-        exe = [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
+        pin = ["taskset", "-c", ",".join(map(str, proxy_cpus))] if proxy_cpus else []
+        exe = [*pin, sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
                "--block-size", str(block), "--model", ctx.config.model]
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-        with open(logs / "bench-proxy.log", "ab") as log:
+        with open(proxy_log, "ab") as log:
             proxy_proc = subprocess.Popen(exe, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if proxy_cpus:
+            os.sched_setaffinity(0, proxy_cpus)  # the load generator shares the proxy's core, not the engine's
         proxy = f"http://127.0.0.1:{port}"
         wait_for_health(proxy, 120)
         questions = [r.question for r in requests]
         questions = (questions * (per_level // max(1, len(questions)) + 1))[:per_level]
-        tick(total=len(levels) + 2)
+        tick(total=len(levels) + 2 + bool(control))
         errors = 0
         for conc in levels:
-            pairs, errs, internal = asyncio.run(_overhead(upstream, proxy, model, questions, conc, max_tokens))
+            offset, cpu0 = proxy_log.stat().st_size, _cpu_s(proxy_proc.pid)
+            pairs, errs, by_id = asyncio.run(_overhead(upstream, proxy, model, questions, conc, max_tokens))
+            cpu_ms = round((_cpu_s(proxy_proc.pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
             errors += errs
             if not pairs:
                 raise ConfigError(f"no request succeeded at concurrency {conc}; see {logs}")
-            diff = [p - d for d, p in pairs]
-            rows.append({"phase": "overhead", "concurrency": conc, "requests": len(pairs), "errors": errs,
-                         "direct_ttft_ms_p50": round(percentile([d for d, _ in pairs], 50), 2),
-                         "proxy_ttft_ms_p50": round(percentile([p for _, p in pairs], 50), 2),
-                         "overhead_ms_p50": round(percentile(diff, 50), 3),
-                         "overhead_ms_p99": round(percentile(diff, 99), 3),
-                         "proxy_internal_ms_p50": round(percentile(internal, 50), 3) if internal else None,
-                         "proxy_internal_ms_p99": round(percentile(internal, 99), 3) if internal else None})
+            rows.append(_overhead_row("overhead", conc, pairs, errs, by_id, _proxy_timings(proxy_log, offset), cpu_ms))
             tick(f"overhead at {conc}")
         top = rows[-1]
-        summary.update(overhead_ms_p50=top["overhead_ms_p50"], overhead_ms_p99=top["overhead_ms_p99"],
-                       overhead_at_concurrency=top["concurrency"],
-                       proxy_internal_ms_p50=top["proxy_internal_ms_p50"],
-                       proxy_internal_ms_p99=top["proxy_internal_ms_p99"])
-
-        async def docs_phase():
-            async with httpx.AsyncClient(timeout=600) as client:
-                return await _docs(client, upstream, proxy, model, requests, renderer, max_tokens)
-
-        docs = asyncio.run(docs_phase())
+        if control:  # the paired estimator on direct vs direct: its spread is the engine's, not the proxy's
+            pairs, errs, _ = asyncio.run(_overhead(upstream, upstream, model, questions, levels[-1], max_tokens))
+            rows.append(_overhead_row("A/A control", levels[-1], pairs, errs, {}, {}, None))
+            summary["control_paired_overhead_ms_p99"] = rows[-1]["paired_overhead_ms_p99"]
+            tick("control")
+        summary.update({k: top[k] for k in ("overhead_ms_p50", "overhead_ms_p99", "paired_overhead_ms_p50",
+                                            "paired_overhead_ms_p99", "proxy_ms_p50", "proxy_ms_p99",
+                                            "proxy_cpu_ms_per_request")},
+                       overhead_at_concurrency=top["concurrency"])
+        docs = asyncio.run(_docs(upstream, proxy, model, requests, renderer, max_tokens))
         for arm in ("direct", "proxy"):
             ms = [t for t, good in docs[arm] if good]
             errors += sum(1 for _, good in docs[arm] if not good)
@@ -226,6 +284,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         tick("soak")
         summary["errors"] = errors
     finally:
+        os.sched_setaffinity(0, affinity)
         if proxy_proc is not None:
             proxy_proc.terminate()
             try:
@@ -236,6 +295,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             server.stop()
     config = {"concurrency": levels, "requests_per_level": per_level, "max_tokens": max_tokens, "soak_s": soak_s,
               "documents_requests": len(requests), "upstream": ctx.option("upstream", "") or "started by the bench",
+              "engine_cpus": list(engine_cpus) or "all", "proxy_and_client_cpus": list(proxy_cpus) or "all",
               "trace": ctx.option("trace", None)}
     return BenchResult("proxy", config, rows, summary)
 

@@ -22,7 +22,13 @@ def test_bench_proxy_small_run(tmp_path, vllm_url):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     phases = [r["phase"] for r in result["rows"]]
-    assert phases == ["overhead", "overhead", "documents", "documents", "soak"]
+    assert phases == ["overhead", "overhead", "A/A control", "documents", "documents", "soak"]
+    for row in result["rows"][:2]:
+        # every proxied request's own timings were found in the proxy's access log, and the client's
+        # interval contains the proxy's upstream interval (one monotonic clock), so the overhead is >= 0
+        assert row["matched"] == row["requests"] == 4
+        assert 0 <= row["overhead_ms_p50"] <= row["overhead_ms_p99"]
+        assert row["proxy_ms_p50"] is not None and row["proxy_cpu_ms_per_request"] >= 0  # 10 ms clock ticks
     s = result["summary"]
     assert {"overhead_ms_p50", "overhead_ms_p99", "errors", "docs_ttft_reduction_vs_direct", "rss_growth"} <= set(s)
     assert s["errors"] == 0 and s["soak_requests"] > 0

@@ -6,7 +6,7 @@ import asyncio
 import http.server
 import threading
 
-import httpx
+import aiohttp
 import pytest
 
 from contextkit.errors import ConfigError
@@ -63,7 +63,7 @@ def test_health_checks_take_an_upstream_out_and_put_it_back():
     pool = UpstreamPool([f"http://127.0.0.1:{srv.server_port}", "http://127.0.0.1:9"], block_size=32)
 
     async def check():
-        async with httpx.AsyncClient() as c:
+        async with aiohttp.ClientSession() as c:
             await pool.check(c)
 
     try:
