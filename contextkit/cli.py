@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[int, typer.Option(help="Repetitions / examples.")] = 3,
     seed: int = 0,
@@ -195,7 +195,7 @@ def bench(
     option: Annotated[
         list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
     ] = [],
-    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering); else one is started.")] = None,
+    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering, proxy); else one is started.")] = None,
     trace: Annotated[Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")] = None,
     write_trace: Annotated[Optional[Path], typer.Option(help="Save the generated request stream here.")] = None,
 ) -> None:

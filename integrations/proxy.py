@@ -23,6 +23,7 @@ from typing import NamedTuple
 import aiohttp
 from fastapi import FastAPI, Request  # module level: route signatures are resolved from module globals
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
 
 from contextkit.integrations.prom import Counter, Histogram
@@ -266,7 +267,7 @@ class Proxy:
             return await send_failure(send, timing, self.failure(
                 503, "no healthy upstream; check the vLLM servers' /health", route=route))
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in HOP_B}
-        headers["content-type"] = "application/json"
+        headers.setdefault("content-type", "application/json")
         url = route + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
         resp = await self.start(u, scope["method"], url, headers, body, route, timing)
         if isinstance(resp, Failure):
@@ -415,6 +416,12 @@ def create_app(settings: ProxySettings) -> ProxyApp:
     async def _request_error(request: Request, exc: RequestError):
         return fail(exc.status, str(exc), exc.param, route=request.url.path)
 
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # 404/405 as OpenAI errors
+        return fail(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}; the proxy serves the "
+                                     "upstream's /v1/* routes, /tokenize, /detokenize, /health and /metrics",
+                    route=request.url.path)
+
     @api.get("/health")
     async def health():
         if pool.healthy():
@@ -441,8 +448,8 @@ class ProxyApp:
     upstream: ours), ``upstream_ttft_ms`` (forwarding to the upstream's first body bytes: the server's),
     ``ms_to_headers``, ``ms_total``."""
 
-    ROUTES = {("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("POST", "/tokenize"), ("POST", "/detokenize")}
+    OURS = {"/health", "/metrics"}  # everything else under these goes to the upstream as it is
+    UPSTREAM = ("/v1/", "/tokenize", "/detokenize", "/version")
 
     def __init__(self, proxy: Proxy, api: FastAPI):
         self.proxy, self.api = proxy, api
@@ -454,7 +461,7 @@ class ProxyApp:
         t = scope.setdefault("state", {})
         t["t0"] = time.perf_counter()
         try:
-            if (scope["method"], scope["path"]) in self.ROUTES:
+            if scope["path"].startswith(self.UPSTREAM) and scope["path"] not in self.OURS:
                 await self.route(scope, receive, send, t)
             else:
                 await self.api(scope, receive, status_recorder(send, t))
@@ -463,10 +470,13 @@ class ProxyApp:
 
     async def route(self, scope, receive, send, t: dict) -> None:
         body = None
-        if scope["method"] == "POST":
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
             try:
                 body = await read_body(receive, self.proxy.settings.max_body_bytes)
-                parsed = json_body(body)  # checked: malformed JSON gets a 400 here, not upstream
+                # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
+                # (multipart audio uploads, ...) go as they are
+                parsed = json_body(body) if kind.startswith(b"application/json") else {}
             except RequestError as exc:
                 return await send_failure(send, t, self.proxy.failure(exc.status, str(exc), exc.param, scope["path"]))
             except ClientGone:

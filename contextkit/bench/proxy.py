@@ -1,25 +1,37 @@
 """``contextkit bench proxy``: what the proxy adds to latency, and what it saves on a documents workload.
 
 The proxy runs as it is deployed (``contextkit proxy`` in its own process) in front of a real vLLM
-server (``--upstream URL``, or one this bench starts and stops).
+server (``--upstream URL``, or one this bench starts and stops). When the bench starts vLLM on a
+machine with >= 2 cores, the engine gets all cores but the last and the proxy and the load generator
+the last (``--set pin=0`` shares them; ``--set proxy_cpus=N``): a proxy in front of a GPU server has a
+core of its own, while on a CPU engine spread over every core the difference measures a fight for CPU.
 
-1. Overhead: at 1, 16 and 64 concurrent streaming clients, each request of the stream (short chats, the
-   trace's questions) is sent directly and through the proxy, back to back in alternating order, each
-   with its own ``cache_salt`` so neither warms the other's cache. Overhead = TTFT through the proxy
-   minus TTFT direct, per pair; p50 and p99 per concurrency. (Sending both at once was tried: the later
-   arrival waits one engine step on a CPU server, which measures vLLM's scheduler, not the proxy.)
+1. Overhead at 1, 16 and 64 concurrent streaming clients on the same request stream (short chats, the
+   trace's questions). Each request goes directly and through the proxy, back to back in alternating
+   order, each with its own ``cache_salt``. The load generator is a raw asyncio protocol that stamps
+   the first event as its bytes arrive (a few microseconds per chunk). Two estimates:
+   - ``overhead_ms`` (the headline, per request): TTFT through the proxy as the client saw it minus
+     the same request's TTFT as the proxy saw it upstream (forwarding to first body bytes; from the
+     proxy's access log, joined on ``x-request-id``; one monotonic clock). vLLM's queueing cancels
+     exactly; what remains is the extra hop in and out, the proxy's own work and its event-loop queue,
+     plus the load generator's own scheduling delays (which a direct request would also see: the
+     estimate errs against the proxy). Not in it: a queue inside the proxy between the first bytes
+     reaching its socket and its relay reading them (measured once with an instrumented aiohttp:
+     p50 0.04 / p99 0.8 ms at 64 streams; see DEVELOPERS.md).
+   - ``paired_overhead_ms``: proxied TTFT minus the direct TTFT of the same prompt sent just before or
+     after. Under load the two land in different engine steps, so this measures vLLM's scheduling
+     noise as much as the proxy: the ``A/A control`` row applies it to direct vs direct.
+   (Sending both at the same instant was tried: the later arrival often waits one engine step, +40 ms
+   at 1 stream and p90 > 1 s at 64.)
 2. Documents: the trace's requests in arrival order, sequentially, directly to vLLM in retrieval order
    (token ids rendered the same way, ``bench ordering``'s ``retrieval`` policy) and then through the
    proxy as chat requests with ``documents`` and the tenant; vLLM's prefix cache emptied in between.
 3. Soak (``--set soak_s=300``): 64 concurrent streaming clients through the proxy for that long; errors
    counted, the proxy's resident memory sampled after the first 10% and at the end.
 
-The proxy also reports its own time per request, from arrival to forwarding (``x-contextkit-proxy-ms``
-header): ``proxy_internal_ms_p50/p99``, the part of the overhead the proxy controls, free of the
-upstream scheduler's noise that dominates the TTFT difference under load on a small CPU server.
-
-Summary: ``overhead_ms_p50``, ``overhead_ms_p99`` (at the highest concurrency), ``errors``,
-``docs_ttft_reduction_vs_direct`` (1 - proxy TTFT p50 / direct TTFT p50), ``rss_growth`` (soak).
+Summary: ``overhead_ms_p50``, ``overhead_ms_p99`` (at the highest concurrency), ``paired_overhead_ms_*``,
+``control_paired_overhead_ms_p99``, ``proxy_ms_*`` (arrival to forwarding), ``proxy_cpu_ms_per_request``,
+``errors``, ``docs_ttft_reduction_vs_direct`` (1 - proxy TTFT p50 / direct TTFT p50), ``rss_growth``.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -98,34 +111,107 @@ def _proxy_timings(log: Path, offset: int) -> dict[str, dict]:
     return out
 
 
-async def _overhead(a: str, b: str, model: str, questions: list[str], conc: int, max_tokens: int):
-    """Each request sent to ``a`` and to ``b`` back to back (alternating which goes first, each with its
-    own ``cache_salt``). Returns the (a, b) TTFT pairs, errors, and b's TTFT by request id."""
-    async with _session(conc * 2 + 8) as session:
-        work = list(enumerate(questions))
-        pairs, errors, by_id = [], 0, {}
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the load generator that sends prebuilt streaming requests and
+    stamps the first SSE event with choices in ``data_received``, i.e. as soon as the event loop sees the
+    bytes: a few microseconds per chunk, so 64 streams of the client itself add next to nothing to the
+    TTFT it measures (aiohttp's line reader added ~2 ms at 64 streams on a shared core)."""
 
-        async def worker() -> None:
-            nonlocal errors
+    END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked response (a data chunk ends with "\n\n\r\n")
+
+    def __init__(self):
+        self.transport = None
+        self.waiter: asyncio.Future | None = None
+        self.closed = False
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Conn:
+        _, conn = await asyncio.get_running_loop().create_connection(cls, host, port)
+        return conn
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    async def request(self, raw: bytes, timeout_s: float = 600.0) -> tuple[float, bool]:
+        """(ms to the first event with choices, ok) of one streaming request; a timeout is an error."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.t0, self.first, self.status, self.tail = time.perf_counter(), None, None, b""
+        if self.closed:
+            return 0.0, False
+        self.transport.write(raw)
+        try:
+            return await asyncio.wait_for(self.waiter, timeout_s)
+        except TimeoutError:
+            self.transport.close()
+            return timeout_s * 1e3, False
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        seen = self.tail + data
+        if self.status is None:
+            self.status = seen[9:12]
+        if self.first is None and b'"choices":[{' in seen:
+            self.first = now
+        self.tail = seen[-64:]
+        if self.status != b"200" or seen.endswith(self.END):
+            if self.status != b"200":  # an error answer: give up on this connection
+                self.transport.close()
+            if self.waiter and not self.waiter.done():
+                self.waiter.set_result((((self.first or now) - self.t0) * 1e3, self.status == b"200"))
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.waiter and not self.waiter.done():
+            self.waiter.set_result(((time.perf_counter() - self.t0) * 1e3, False))
+
+
+def _request(host: str, body: dict, rid: str) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"x-request-id: {rid}\r\ncontent-length: {len(data)}\r\n\r\n").encode() + data
+
+
+async def _overhead(a: str, b: str, model: str, questions: list[str], conc: int, max_tokens: int):
+    """Each request sent to ``a`` and to ``b`` back to back, alternating which goes first, each with its
+    own ``cache_salt`` so neither warms the other's cache. Returns the (a, b) TTFT pairs, errors, and b's
+    TTFT by request id."""
+    work = list(enumerate(questions))
+    pairs, errors, by_id = [], 0, {}
+    hosts = [urlsplit(u) for u in (a, b)]
+
+    async def worker() -> None:
+        nonlocal errors
+        conns = [await _Conn.open(h.hostname, h.port) for h in hosts]
+        try:
             while work:
                 i, q = work.pop()
                 body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
                         "temperature": 0, "stream": True}
-                # back to back, alternating which goes first (sending both at once makes the second
-                # arrival wait one engine step on a CPU server: that measured vLLM, not the proxy)
+                order = (0, 1) if i % 2 else (1, 0)
+                rids = [uuid.uuid4().hex, uuid.uuid4().hex]
+                raws = [_request(hosts[k].netloc, {**body, "cache_salt": uuid.uuid4().hex}, rids[k]) for k in (0, 1)]
                 got = [None, None]
-                for arm in ((0, 1) if i % 2 else (1, 0)):
-                    rid = uuid.uuid4().hex
-                    got[arm] = await _ttft(session, (a, b)[arm] + "/v1/chat/completions",
-                                           {**body, "cache_salt": uuid.uuid4().hex}, rid)
-                    if arm == 1 and got[1][1]:
-                        by_id[rid] = got[1][0]
+                for k in order:
+                    for attempt in (0, 1):
+                        # the server closes a keep-alive connection idle for a few seconds (uvicorn: 5 s;
+                        # the other arm's request can take that long at 64 streams): reopen before
+                        # sending, and retry once when it closed as we sent, before any byte came back
+                        if conns[k].closed:
+                            conns[k] = await _Conn.open(hosts[k].hostname, hosts[k].port)
+                        got[k] = await conns[k].request(raws[k])
+                        if got[k][1] or conns[k].status is not None:
+                            break
+                if got[1][1]:
+                    by_id[rids[1]] = got[1][0]
                 if got[0][1] and got[1][1]:
                     pairs.append((got[0][0], got[1][0]))
                 else:
                     errors += 1
+        finally:
+            for c in conns:
+                c.transport.close()
 
-        await asyncio.gather(*(worker() for _ in range(conc)))
+    await asyncio.gather(*(worker() for _ in range(conc)))
     return pairs, errors, by_id
 
 
@@ -175,14 +261,24 @@ async def _docs(direct: str, proxy: str, model: str, requests, renderer, max_tok
     return rows
 
 
-def _split_cpus(option: str, starting_engine: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(engine cores, proxy + client cores). Default: when the bench starts vLLM on a machine with >= 2
-    cores, the engine gets all but the last and the proxy and the load generator the last, as a proxy in
-    front of a GPU server has a core of its own; ``--set pin=0`` shares all cores."""
+def _split_cpus(pin: bool, proxy_cpus: str, starting_engine: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(engine cores, proxy + load generator cores); () = not pinned. When the bench starts vLLM on a
+    machine with >= 2 cores, the engine gets all but the last and the proxy and the load generator the
+    last, as a proxy in front of a GPU server has a core of its own (on a CPU engine sharing all cores,
+    the TTFT difference measures a fight for CPU, not the proxy). ``--set pin=0`` shares all cores;
+    ``--set proxy_cpus=3`` names the proxy's cores (the engine, if the bench starts it, gets the rest)."""
     have = sorted(os.sched_getaffinity(0))
-    if option in ("0", "no", "false") or not starting_engine or len(have) < 2:
+    if not pin or len(have) < 2:
         return (), ()
-    return tuple(have[:-1]), (have[-1],)
+    if proxy_cpus:
+        try:
+            mine = tuple(int(c) for c in proxy_cpus.split(","))
+        except ValueError:
+            raise ConfigError(f"--set proxy_cpus takes a comma list of core numbers, got {proxy_cpus!r}") from None
+        if not set(mine) < set(have):
+            raise ConfigError(f"--set proxy_cpus={proxy_cpus}: must be a proper subset of the cores {have}")
+        return (tuple(c for c in have if c not in mine) if starting_engine else ()), mine
+    return (tuple(have[:-1]), (have[-1],)) if starting_engine else ((), ())
 
 
 def _overhead_row(label: str, conc: int, pairs, errs: int, by_id: dict, timings: dict, cpu_ms: float | None) -> dict:
@@ -213,7 +309,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
-    engine_cpus, proxy_cpus = _split_cpus(ctx.option("pin", "1"), starting_engine=not upstream)
+    engine_cpus, proxy_cpus = _split_cpus(bool(ctx.option("pin", 1, int)), ctx.option("proxy_cpus", ""),
+                                          starting_engine=not upstream)
     server = proxy_proc = None
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,25 @@ def test_bench_proxy_small_run(tmp_path, vllm_url):
     s = result["summary"]
     assert {"overhead_ms_p50", "overhead_ms_p99", "errors", "docs_ttft_reduction_vs_direct", "rss_growth"} <= set(s)
     assert s["errors"] == 0 and s["soak_requests"] > 0
+
+
+def test_cores_split_between_engine_and_proxy(monkeypatch):
+    import os
+
+    from contextkit.bench.proxy import _split_cpus
+    from contextkit.errors import ConfigError
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert _split_cpus(True, "", starting_engine=True) == ((0, 1, 2), (3,))
+    assert _split_cpus(True, "", starting_engine=False) == ((), ())  # someone else's server: leave it
+    assert _split_cpus(True, "1,2", starting_engine=True) == ((0, 3), (1, 2))
+    assert _split_cpus(False, "1", starting_engine=True) == ((), ())
+    with pytest.raises(ConfigError, match="proper subset"):
+        _split_cpus(True, "0,1,2,3", starting_engine=True)
+    with pytest.raises(ConfigError, match="comma list"):
+        _split_cpus(True, "last", starting_engine=True)
+    server = VLLMServer(VLLMServerConfig(model_dir=Path("/m"), cpus=(1, 2)))
+    assert server.command()[:3] == ["taskset", "-c", "1,2"]
+    with pytest.raises(ConfigError, match="not available"):
+        VLLMServerConfig(model_dir=Path("/m"), cpus=(7,))

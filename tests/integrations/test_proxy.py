@@ -84,6 +84,12 @@ def test_passthrough_changes_nothing(proxy, clients):
     assert tok["tokens"] == httpx.post(direct.base_url.__str__().replace("/v1/", "/tokenize"),
                                        json={"model": model, "prompt": "hello"}).json()["tokens"]
     assert httpx.get(proxy.url + "/health").status_code == 200
+    root = direct.base_url.__str__().replace("/v1/", "")
+    assert httpx.get(proxy.url + "/version").json() == httpx.get(root + "/version").json()  # any upstream route
+    bad = httpx.post(proxy.url + "/v1/models", json={})  # the upstream's own 405, as it is
+    assert bad.status_code == httpx.post(root + "/v1/models", json={}).status_code == 405
+    missing = httpx.get(proxy.url + "/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
 
 
 def test_documents_are_ordered_for_the_prefix_cache(clients):
