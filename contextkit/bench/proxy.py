@@ -96,19 +96,25 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _proxy_timings(log: Path, offset: int) -> dict[str, dict]:
-    """The proxy's access-log records (JSON lines) written after ``offset``, by request id."""
-    out = {}
-    with open(log, "rb") as f:
-        f.seek(offset)
-        for line in f:
-            try:
-                event = json.loads(line).get("event")
-            except ValueError:
-                continue
-            if isinstance(event, dict) and event.get("request_id"):
-                out[event["request_id"]] = event
-    return out
+def _proxy_timings(log: Path, offset: int, want: set[str], wait_s: float = 5.0) -> dict[str, dict]:
+    """The proxy's access-log records (JSON lines) written after ``offset``, by request id. The proxy
+    writes a request's line after its last byte went out, so the client can be faster: wait (up to
+    ``wait_s``) until every id in ``want`` is there."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = {}
+        with open(log, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                try:
+                    event = json.loads(line).get("event")
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and event.get("request_id"):
+                    out[event["request_id"]] = event
+        if want <= out.keys() or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
 
 
 class _Conn(asyncio.Protocol):
@@ -347,7 +353,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             errors += errs
             if not pairs:
                 raise ConfigError(f"no request succeeded at concurrency {conc}; see {logs}")
-            rows.append(_overhead_row("overhead", conc, pairs, errs, by_id, _proxy_timings(proxy_log, offset), cpu_ms))
+            rows.append(_overhead_row("overhead", conc, pairs, errs, by_id, _proxy_timings(proxy_log, offset, set(by_id)),
+                                      cpu_ms))
             tick(f"overhead at {conc}")
         top = rows[-1]
         if control:  # the paired estimator on direct vs direct: its spread is the engine's, not the proxy's
