@@ -307,7 +307,7 @@ class Proxy:
             done = True
         except UPSTREAM_ERRORS as exc:
             if not watcher.done():  # the upstream failed, not the client
-                event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}")).encode()
+                event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         finally:
             watcher.cancel()

@@ -178,6 +178,49 @@ class _Failing(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _DiesMidStream(http.server.BaseHTTPRequestHandler):
+    """A real HTTP server that starts an event stream, sends one event, then drops the connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(2)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DiesMidStream)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    try:
+        with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir)) as p:
+            with httpx.stream("POST", p.url + "/v1/chat/completions", json=q, timeout=30) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data:")]
+            assert r.status_code == 200 and '"Hel"' in events[0]  # what came before the failure arrived
+            error = json.loads(events[-1][5:])["error"]
+            assert error["code"] == 502 and "failed mid-stream" in error["message"]
+            assert p.app.state.pool.upstreams[0].inflight == 0
+            assert httpx.get(p.url + "/health").status_code == 200  # still up
+    finally:
+        srv.shutdown()
+
+
 def test_upstream_down_failing_and_slow(vllm_url, config):
     q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], cache_dir=config.cache_dir)) as p:
