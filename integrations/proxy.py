@@ -1,8 +1,8 @@
 """``contextkit proxy``: a drop-in OpenAI-compatible proxy in front of one or more vLLM servers.
 
-Every endpoint the upstream serves passes through unchanged (``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` with and without ``stream``, ``/tokenize``, ``/detokenize``), streamed chunk
-by chunk; a client that disconnects closes the upstream request. A chat request with ``documents``
+Every endpoint the upstream serves passes through unchanged (everything under ``/v1/``: models,
+completions, chat completions with and without ``stream``; ``/tokenize``, ``/detokenize``, ``/version``),
+streamed chunk by chunk; a client that disconnects closes the upstream request. A chat request with ``documents``
 (and optional ``contextkit`` options) is ordered by the weaver, rendered as stable token segments,
 sent with the tenant as ``cache_salt`` to the upstream whose cache shares the longest prefix with it,
 and answered as a chat completion carrying a ``contextkit`` field (the order, what was reordered, the
@@ -139,20 +139,16 @@ class Metrics:
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, event (the message, parsed when it is JSON)."""
+    """One JSON object per line: time, level, logger, event (a dict logged as it is, or the message)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
-        try:
-            event = json.loads(msg)
-        except ValueError:
-            event = msg
+        event = record.msg if isinstance(record.msg, dict) and not record.args else record.getMessage()
         return json.dumps({"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
                            "event": event})
 
 
 def timing(request: Request) -> dict:
-    """The request's timestamps (``t0`` set by ``AccessLog`` at arrival; the handlers add theirs)."""
+    """The request's timestamps (``t0`` set by ``ProxyApp`` at arrival; the handlers add theirs)."""
     t = request.scope.setdefault("state", {})
     t.setdefault("t0", time.perf_counter())
     return t
@@ -203,7 +199,7 @@ class Proxy:
     def failure(self, status: int, message: str, param: str | None = None, route: str = "") -> Failure:
         self.metrics.request(route, status)
         if status >= 500:
-            log.warning(json.dumps({"route": route, "status": status, "error": message}))
+            log.warning({"route": route, "status": status, "error": message})
         return Failure(status, message, param)
 
     def upstream_failure(self, u: Upstream, exc: BaseException, route: str) -> Failure:
@@ -320,12 +316,11 @@ def create_app(settings: ProxySettings) -> ProxyApp:
     proxy = Proxy(settings)
     pool, metrics = proxy.pool, proxy.metrics
 
-    def fail(status: int, message: str, param: str | None = None, route: str = "") -> JSONResponse:
-        f = proxy.failure(status, message, param, route)
-        return JSONResponse(error_body(f.status, f.message, f.param), status_code=f.status)
-
     def response(f: Failure) -> JSONResponse:
         return JSONResponse(error_body(f.status, f.message, f.param), status_code=f.status)
+
+    def fail(status: int, message: str, param: str | None = None, route: str = "") -> JSONResponse:
+        return response(proxy.failure(status, message, param, route))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -351,15 +346,16 @@ def create_app(settings: ProxySettings) -> ProxyApp:
         if u is None:
             return fail(503, "no healthy upstream; check the vLLM servers' /health", route=route)
         order = result.order if result else tuple(range(len(docs)))
+        reordered = order != tuple(range(len(docs)))
         prompt, padding = rend.ids(req.messages, req.documents, order, req.block_align)
-        metrics.reorders["reordered" if order != tuple(range(len(docs))) else "kept"] += 1
+        metrics.reorders["reordered" if reordered else "kept"] += 1
         limit = await proxy.model_len(u)
         want = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         if limit and len(prompt) + want > limit:
             return fail(413, f"the rendered prompt is {len(prompt)} tokens plus {want} to generate, over the "
                              f"model's context of {limit}; send fewer or shorter documents or lower max_tokens",
                         "documents", route)
-        ext = {"order": [req.documents[i].id for i in order], "reordered": order != tuple(range(len(docs))),
+        ext = {"order": [req.documents[i].id for i in order], "reordered": reordered,
                "expected_cached_tokens": result.reusable_tokens if result else None, "upstream": u.url,
                "tenant": req.tenant, "padding_tokens": padding, "prompt_tokens": len(prompt)}
         payload = json.dumps(completion_body(body, prompt, req.tenant)).encode()
@@ -433,9 +429,8 @@ def create_app(settings: ProxySettings) -> ProxyApp:
         return PlainTextResponse(metrics.text(pool))
 
     @api.post("/v1/chat/completions")
-    async def chat(request: Request):  # only documents requests get here (ProxyApp routes the rest)
-        body = request.scope["state"].get("json")
-        return await documents(request, body if body is not None else json_body(await request.body()))
+    async def chat(request: Request):  # only documents requests get here, parsed by ProxyApp.route
+        return await documents(request, request.scope["state"]["json"])
 
     return ProxyApp(proxy, api)
 
@@ -496,12 +491,10 @@ class ProxyApp:
     def log(scope, t: dict) -> None:
         rid = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         fwd, first, t0 = t.get("forwarded"), t.get("upstream_first"), t["t0"]
-        log.info(json.dumps({"method": scope["method"], "path": scope["path"], "status": t.get("status"),
-                             "request_id": rid,
-                             "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
-                             "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
-                             "ms_to_headers": t.get("ms_to_headers"),
-                             "ms_total": round((time.perf_counter() - t0) * 1e3, 3)}))
+        log.info({"method": scope["method"], "path": scope["path"], "status": t.get("status"), "request_id": rid,
+                  "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
+                  "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
+                  "ms_to_headers": t.get("ms_to_headers"), "ms_total": round((time.perf_counter() - t0) * 1e3, 3)})
 
 
 class ClientGone(Exception):

@@ -48,10 +48,8 @@ class DocRequest:
     block_align: bool
 
 
-def json_body(raw: bytes, max_bytes: int | None = None) -> dict:
-    """A request body as a JSON object, or a ``RequestError`` (413 too large, 400 not a JSON object)."""
-    if max_bytes is not None and len(raw) > max_bytes:
-        raise RequestError(413, f"request body is {len(raw)} bytes, over the limit of {max_bytes}")
+def json_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or a ``RequestError`` (400 not a JSON object)."""
     try:
         body = json.loads(raw or b"null")
     except json.JSONDecodeError as exc:
