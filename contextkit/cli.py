@@ -16,8 +16,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from contextkit.config import DEFAULT_CACHE_DIR, ContextKitConfig
-from contextkit.errors import ContextKitError, EmptyInputError, InputError
+from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
+from contextkit.core.errors import ContextKitError, EmptyInputError, InputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context-reuse middleware for RAG and agents.")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and list models.")
@@ -55,7 +55,7 @@ def models_list(cache_dir: CacheOpt = DEFAULT_CACHE_DIR) -> None:
     """Packaged models and the ones already prepared."""
     from rich.table import Table
 
-    from contextkit.models import ALIASES, REGISTRY, list_prepared
+    from contextkit.core.models import ALIASES, REGISTRY, list_prepared
 
     prepared = {m["name"]: m["path"] for m in list_prepared(cache_dir)}
     table = Table(title="models")
@@ -76,7 +76,7 @@ def models_prepare(
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
 ) -> None:
     """Dequantize a packaged GGUF once into a local Hugging Face directory (engine, transformers, vLLM)."""
-    from contextkit.models import prepare
+    from contextkit.core.models import prepare
 
     status, update = _status(err)
     try:
@@ -137,9 +137,9 @@ def generate(
     stats: Annotated[bool, typer.Option(help="Print timing and token counts to stderr.")] = True,
 ) -> None:
     """Answer a question over documents on the built-in engine."""
-    from contextkit.engine.generate import SamplingParams
+    from contextkit.core.generation import SamplingParams
     from contextkit.kit import ContextKit
-    from contextkit.types import Evidence
+    from contextkit.core.types import Evidence
 
     try:
         req = _load_request(input_file, question, document)
@@ -185,7 +185,7 @@ def generate(
 def bench(
     name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
-    n: Annotated[int, typer.Option(help="Repetitions / examples.")] = 3,
+    n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here.")] = None,
@@ -265,7 +265,7 @@ def serve_cmd(
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     import uvicorn
 
-    from contextkit.config import KVStoreConfig
+    from contextkit.core.config import KVStoreConfig
     from contextkit.integrations.serve import create_serve_app
     from contextkit.kit import ContextKit
 

@@ -1,33 +1,62 @@
-"""The ContextKit facade: one object that holds the config, the model and its tokenizer."""
+"""The ContextKit facade: the config, the model, its tokenizer, the planner and the span cache.
+
+Every request goes through the one planner (``contextkit.core.planner``), ordered by the kit's Weaver,
+then runs on the built-in engine: a plain prefill of the plan's tokens, or (with ``reuse``) the KV path,
+where documents are position-free spans compiled once and re-positioned into later requests.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from contextkit.config import ContextKitConfig
-
-from contextkit.engine.generate import Generation, SamplingParams, Stream
+from contextkit.core.config import ContextKitConfig
+from contextkit.core.generation import Generation, SamplingParams
+from contextkit.core.models import Progress, resolve_model_dir
+from contextkit.core.plan import RequestPlan, ReuseOptions, ReuseReport
+from contextkit.core.planner import ChatRequest, Ordering, Planner
+from contextkit.core.tenant import Tenant
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Evidence, Message
+from contextkit.engine.generate import Stream
 from contextkit.engine.model import Engine
 from contextkit.kernels.rerotate import Rerotator
-from contextkit.models import Progress, prepare
-from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.prompt import render_prompt, render_segments
 from contextkit.kvstore.tiered import build_store
+from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.store import KVSpanStore
-from contextkit.tokenizer import Tokenizer
-from contextkit.types import Evidence, Span
 
 
-def resolve_model_dir(config: ContextKitConfig, progress: Progress | None = None) -> Path:
-    """A prepared model directory for ``config.model``: an existing directory, or prepare a packaged model."""
-    path = Path(config.model).expanduser()
-    if path.is_dir():
-        return path
-    return prepare(config.model, config.cache_dir, progress=progress)
+class KitStream:
+    """Iterate for text deltas; afterwards ``result`` holds the Generation (with the reuse report).
+
+    ``plan`` is what ran; ``report`` says what span reuse did (None for a plain prefill).
+    """
+
+    def __init__(self, stream: Stream, plan: RequestPlan, report: ReuseReport | None):
+        self._stream, self.plan, self.report = stream, plan, report
+        self.result: Generation | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._stream.prompt_ids
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._stream
+        gen = self._stream.result
+        assert gen is not None
+        if self.report is not None:  # time to first token includes assembling the spans
+            gen = dataclasses.replace(gen, prefill_ms=gen.prefill_ms + self.report.total_ms, reuse=self.report)
+        self.result = gen
+
+    def finish(self) -> Generation:
+        """Run to the end (discarding deltas) and return the Generation."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
 
 
 class ContextKit:
@@ -42,9 +71,12 @@ class ContextKit:
         self.config = config or ContextKitConfig()
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
-        self.model_dir = resolve_model_dir(self.config, progress)
+        self.model_dir = resolve_model_dir(self.config.model, self.config.cache_dir, progress)
         self.engine = Engine.from_dir(self.model_dir, self.config.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
+        self.planner = Planner(self.tokenizer, context_limit=self.engine.spec.max_positions)
+        # the order a tenant's documents were served in; the built-in engine has no block hashing
+        self.weaver = Weaver(block_size=1)
         # documents seen by this kit keep their KV here, reused at any position by later requests
         self.spans = SpanCache(
             self.engine,
@@ -63,65 +95,73 @@ class ContextKit:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prompt_ids(
-        self, question: str, documents: Sequence[Evidence | str] = (), system: str | None = None
-    ) -> list[int]:
-        docs = [d if isinstance(d, Evidence) else Evidence(text=d) for d in documents]
-        return render_prompt(self.tokenizer, question, docs, system)
-
-    def plan(
+    def request(
         self,
-        question: str,
+        question: str | Sequence[Message | dict],
         documents: Sequence[Evidence | str] = (),
         system: str | None = None,
+        params: SamplingParams = SamplingParams(),
         reuse: ReuseOptions | None = None,
-    ) -> RequestPlan:
-        """The request as spans: system prefix, one span per document, the question (computed in context)."""
-        docs = [d if isinstance(d, Evidence) else Evidence(text=d) for d in documents]
-        seg = render_segments(self.tokenizer, question, docs, system)
-        items = (
-            PlanItem(Span(seg.prefix, "system")),
-            *(PlanItem(Span(ids, "document", d.id or d.title)) for ids, d in zip(seg.documents, docs)),
-            PlanItem(Span(seg.suffix, "query"), reuse=False),
-        )
-        return RequestPlan(items, reuse or ReuseOptions())
+        tenant: Tenant | str = "",
+        ordering: Ordering = "weaver",
+    ) -> ChatRequest:
+        """The request the planner sees: a question (with ``system``: None = the default RAG prompt,
+        "" = none) or a whole conversation as chat messages (every turn is kept)."""
+        common = dict(tenant=Tenant.of(tenant), ordering=ordering, reuse=reuse, max_new_tokens=params.max_new_tokens)
+        if isinstance(question, str):
+            return ChatRequest.ask(question, documents, system, **common)
+        msgs = tuple(m if isinstance(m, Message) else Message(m["role"], m.get("content") or "") for m in question)
+        docs = tuple(d if isinstance(d, Evidence) else Evidence(text=d) for d in documents)
+        return ChatRequest(msgs, docs, **common)
+
+    def plan(self, request: ChatRequest) -> RequestPlan:
+        """The request's plan, ordered for the tenant by the kit's Weaver (nothing recorded yet)."""
+        return self.planner.plan(request, self.weaver)
+
+    def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams()) -> KitStream:
+        """Start ``plan``: a plain prefill of its tokens, or the KV path when ``plan.options`` allows
+        reuse. The served order is recorded for the tenant once the prompt is in place."""
+        if plan.options is None:
+            stream = Stream(self.engine, self.tokenizer, plan.ids, params)
+            report = None
+        else:
+            asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
+            stream = Stream(self.engine, self.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
+            report = asm.report
+        self.weaver.record(plan.served, plan.tenant)
+        return KitStream(stream, plan, report)
 
     def stream(
         self,
-        question: str,
+        question: str | Sequence[Message | dict],
         documents: Sequence[Evidence | str] = (),
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
         reuse: ReuseOptions | None = None,
-        namespace: str = "",
-    ) -> Stream:
-        """Iterate over the returned Stream for text deltas; its ``result`` holds the Generation.
+        tenant: Tenant | str = "",
+        ordering: Ordering = "weaver",
+    ) -> KitStream:
+        """Iterate over the returned stream for text deltas; its ``result`` holds the Generation.
 
         With ``reuse``, documents are spans: their KV is compiled once, kept in ``self.spans`` and
         re-positioned into later requests, recomputing what ``reuse`` says (see ReuseOptions).
-        ``namespace`` (a tenant) is part of every span key: tenants never share span KV.
+        ``tenant`` is part of every span key and has its own ordering history: tenants share nothing.
         """
-        if reuse is None:
-            return Stream(self.engine, self.tokenizer, self.prompt_ids(question, documents, system), params)
-        plan = self.plan(question, documents, system, reuse)
-        asm = self.spans.assemble(plan, namespace=namespace, extra_capacity=params.max_new_tokens + 1)
-        ids = [t for item in plan.items for t in item.span.token_ids]
-        stream = Stream(self.engine, self.tokenizer, ids, params, cache=asm.cache, first_logits=asm.logits)
-        stream.report = asm.report
-        return stream
+        req = self.request(question, documents, system, params, reuse, tenant, ordering)
+        return self.run(self.plan(req), params)
 
     def generate(
         self,
-        question: str,
+        question: str | Sequence[Message | dict],
         documents: Sequence[Evidence | str] = (),
         system: str | None = None,
         params: SamplingParams = SamplingParams(),
         reuse: ReuseOptions | None = None,
-        namespace: str = "",
+        tenant: Tenant | str = "",
+        ordering: Ordering = "weaver",
     ) -> Generation:
         """Answer ``question`` over ``documents``: full prefill, or span reuse per ``reuse``.
 
-        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled; ``namespace``
-        (a tenant) keeps span KV apart per tenant.
+        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
         """
-        return self.stream(question, documents, system, params, reuse, namespace).finish()
+        return self.stream(question, documents, system, params, reuse, tenant, ordering).finish()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from contextkit.integrations.vllm_server import UpstreamError
+from contextkit.core.errors import UpstreamError
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,26 +11,26 @@ last one in rotation.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
-from contextkit.errors import ConfigError
-from contextkit.ordering.weaver import Doc, OrderResult, Weaver
+from contextkit.core.errors import ConfigError
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Doc
+from contextkit.ordering.weaver import Weaver
 
 
 @dataclass
 class Upstream:
     url: str
-    weaver: Weaver
+    weaver: Weaver  # a model of what this server's prefix cache holds (the planner's orderer)
     healthy: bool = True
     inflight: int = 0
     requests: int = 0
-    failures: int = 0
     consecutive_failures: int = 0
-    last_check: float = field(default=0.0)
 
 
 class UpstreamPool:
@@ -50,11 +50,23 @@ class UpstreamPool:
         pool = self.healthy()
         return min(pool, key=lambda u: (u.inflight, u.requests)) if pool else None
 
-    def route(self, docs: Sequence[Doc], tenant: str, reorder: bool) -> tuple[Upstream | None, OrderResult | None]:
-        """The upstream for a documents request and the order to send there (recorded in its tree)."""
+    @contextlib.contextmanager
+    def lease(self, u: Upstream) -> Iterator[Upstream]:
+        """Count a request to ``u`` in flight for as long as the block runs (it cannot leak: the count
+        goes back whatever ends the block)."""
+        u.inflight += 1
+        u.requests += 1
+        try:
+            yield u
+        finally:
+            u.inflight -= 1
+
+    def route(self, docs: Sequence[Doc], tenant: Tenant) -> Upstream | None:
+        """The upstream for a documents request: the healthy one whose tree shares the longest reusable
+        prefix with it (ties and misses: the least loaded). Only peeks: nothing is recorded."""
         pool = self.healthy()
         if not pool:
-            return None, None
+            return None
         best, best_tokens = None, 0
         if docs and len(pool) > 1:
             for u in pool:
@@ -66,11 +78,7 @@ class UpstreamPool:
             self.routing["least_loaded"] += 1
         else:
             self.routing["cache_aware"] += 1
-        assert best is not None
-        if reorder:
-            return best, best.weaver.order(docs, tenant)
-        best.weaver.tree(tenant).insert((d.id, d.tokens) for d in docs)  # what it now caches
-        return best, None
+        return best
 
     async def check(self, client: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
         async def one(u: Upstream) -> None:
@@ -79,7 +87,7 @@ class UpstreamPool:
                     ok = r.status == 200
             except (aiohttp.ClientError, TimeoutError):
                 ok = False
-            u.healthy, u.last_check = ok, time.time()
+            u.healthy = ok
             if ok:
                 u.consecutive_failures = 0
 
@@ -94,7 +102,6 @@ class UpstreamPool:
         """A request to ``u`` failed. ``threshold`` failures in a row take it out of rotation until its
         ``/health`` answers again, unless it is the last one in rotation (then the health check decides:
         one dropped connection under load must not turn into a burst of 503s)."""
-        u.failures += 1
         u.consecutive_failures += 1
         others = [x for x in self.upstreams if x.healthy and x is not u]
         if u.consecutive_failures >= threshold and others:

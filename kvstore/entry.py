@@ -1,12 +1,12 @@
 """A stored KV entry: named tensors plus the metadata needed to check them, and its byte format.
 
 kvstore does not know what a span is. It stores ``Entry`` objects under a key that has a ``digest``
-(hex string naming everything that determines the bytes) and a ``namespace`` (tenant). The span cache
+(hex string naming everything that determines the bytes) and a ``tenant`` (the tenant's name). The span cache
 puts a span's K, V and token ids in one entry and checks the span-level meaning itself.
 
 Byte format (disk and remote tiers), little-endian:
 ``MAGIC (8 bytes) | header length (u32) | header (JSON) | payload (the tensors' bytes, in header order)``.
-The header repeats the key digest and namespace, the tensors' names, shapes and dtypes, the payload
+The header repeats the key digest and tenant, the tensors' names, shapes and dtypes, the payload
 length and its xxh3-64 checksum (~30 GB/s here: cheap next to any copy). ``decode`` refuses anything that does not match exactly (truncated, extended,
 flipped bits, another key's bytes), and the caller drops the entry and recomputes.
 """
@@ -22,23 +22,20 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from contextkit.errors import KVCacheError
+from contextkit.core.errors import CorruptEntryError, KVCacheError
+from contextkit.core.tenant import Tenant
 
-MAGIC = b"CTXKV\x00\x01\x00"
+MAGIC = b"CTXKV\x00\x02\x00"  # v2: the header names the tenant "tenant"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8,
 )}  # fmt: skip
 
 
-class CorruptEntryError(KVCacheError):
-    """Stored bytes that fail a check (magic, length, checksum, key). Never served; dropped and counted."""
-
-
 @dataclass(frozen=True, slots=True)
 class EntryMeta:
     digest: str  # the key's digest
-    namespace: str  # tenant; part of the digest too, checked again on read
+    tenant: str  # tenant; part of the digest too, checked again on read
     tensors: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in payload order
     layout: str  # what the tensors mean, for humans and version checks, e.g. "k,v:(layers,heads,tokens,dim)"
     nbytes: int  # payload bytes
@@ -61,7 +58,7 @@ class Entry:
 
     def check_for(self, key) -> None:
         """Refuse to store this entry under a key it was not made for."""
-        if self.meta.digest != key.digest or self.meta.namespace != key.namespace:
+        if self.meta.digest != key.digest or self.meta.tenant != key.tenant:
             raise ValueError("entry was made for another key")
 
     def owned(self) -> Entry:
@@ -77,7 +74,8 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def make_entry(key, tensors: dict[str, torch.Tensor], layout: str, cost_ms: float = 0.0) -> Entry:
-    """An entry for ``key`` (anything with ``.digest`` and ``.namespace``) holding ``tensors``."""
+    """An entry for ``key`` (anything with ``.digest`` and ``.tenant``) holding ``tensors``."""
+    Tenant(key.tenant)  # a name no tenant could have is refused here too, not only at the edge
     crc, nbytes, specs = xxhash.xxh3_64(), 0, []
     for name, t in tensors.items():
         dtype = str(t.dtype).removeprefix("torch.")
@@ -87,7 +85,7 @@ def make_entry(key, tensors: dict[str, torch.Tensor], layout: str, cost_ms: floa
         crc.update(b)
         nbytes += b.nbytes
         specs.append((name, tuple(t.shape), dtype))
-    meta = EntryMeta(key.digest, key.namespace, tuple(specs), layout, nbytes, crc.intdigest(), float(cost_ms), time.time())
+    meta = EntryMeta(key.digest, key.tenant, tuple(specs), layout, nbytes, crc.intdigest(), float(cost_ms), time.time())
     return Entry(meta, dict(tensors))
 
 
@@ -95,7 +93,7 @@ def encode(entry: Entry) -> list[memoryview | bytes]:
     """The entry as byte chunks (header, then each tensor's bytes without a copy)."""
     m = entry.meta
     header = json.dumps({
-        "digest": m.digest, "namespace": m.namespace, "layout": m.layout, "nbytes": m.nbytes,
+        "digest": m.digest, "tenant": m.tenant, "layout": m.layout, "nbytes": m.nbytes,
         "xxh3_64": m.checksum, "cost_ms": m.cost_ms, "created": m.created,
         "tensors": [[n, list(s), d] for n, s, d in m.tensors],
     }).encode()  # fmt: skip
@@ -130,15 +128,15 @@ def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True, 
     try:
         h = json.loads(bytes(view[12 : 12 + hlen]))
         specs = tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in h["tensors"])
-        meta = EntryMeta(str(h["digest"]), str(h["namespace"]), specs, str(h["layout"]), int(h["nbytes"]),
+        meta = EntryMeta(str(h["digest"]), str(h["tenant"]), specs, str(h["layout"]), int(h["nbytes"]),
                          int(h["xxh3_64"]), float(h.get("cost_ms", 0.0)), float(h.get("created", 0.0)))
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntryError(f"unreadable header ({exc})") from exc
     payload = view[12 + hlen :]
     if len(payload) != meta.nbytes:
         raise CorruptEntryError(f"payload is {len(payload)} bytes, header says {meta.nbytes} (truncated?)")
-    if key is not None and (meta.digest != key.digest or meta.namespace != key.namespace):
-        raise CorruptEntryError("entry belongs to another key or namespace")
+    if key is not None and (meta.digest != key.digest or meta.tenant != key.tenant):
+        raise CorruptEntryError("entry belongs to another key or tenant")
     if verify and xxhash.xxh3_64_intdigest(payload) != meta.checksum:
         raise CorruptEntryError("checksum mismatch")
     tensors, off = {}, 0

@@ -3,7 +3,7 @@
 Each ``LMCacheTier`` owns one LMCache ``StorageManager`` with one backend active: ``cpu``
 (LocalCPUBackend), ``disk`` (LocalDiskBackend) or ``remote`` (RemoteBackend: ``lm://host:port`` for
 ``lmcache_server``, ``redis://host:port`` for Redis). An entry travels as its encoded bytes
-(``kvstore.entry``: header with key digest, namespace, shapes, checksum; then the tensors) in a 1-D
+(``kvstore.entry``: header with key digest, tenant, shapes, checksum; then the tensors) in a 1-D
 uint8 ``MemoryObj``; LMCache moves and keeps the bytes, we check them on the way out.
 
 Our config maps onto LMCache's keys in ``lmcache_config`` (and only there). LMCache's sharp edges on a
@@ -44,9 +44,10 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from contextkit.errors import ConfigError
-from contextkit.kvstore.base import BatchMixin, StoreKey, TierStats
-from contextkit.kvstore.entry import CorruptEntryError, Entry, decode, encode
+from contextkit.core.errors import ConfigError
+from contextkit.kvstore.base import StoreKey, TierStats
+from contextkit.core.errors import CorruptEntryError
+from contextkit.kvstore.entry import Entry, decode, encode
 
 _BACKEND = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "remote": "RemoteBackend"}
 _patch_lock = threading.Lock()
@@ -120,12 +121,12 @@ def chunk_hash(digest: str) -> int:
     return int(digest[:16], 16)
 
 
-def namespace_tag(namespace: str) -> str:
-    """A name-safe tag of the namespace for LMCache's model_name field (keys of tenants never meet)."""
-    return "contextkit." + hashlib.sha256(namespace.encode()).hexdigest()[:12]
+def tenant_tag(tenant: str) -> str:
+    """A name-safe tag of the tenant for LMCache's model_name field (keys of tenants never meet)."""
+    return "contextkit." + hashlib.sha256(tenant.encode()).hexdigest()[:12]
 
 
-class LMCacheTier(BatchMixin):
+class LMCacheTier:
     """A kvstore tier on one LMCache backend. Thread-safe (LMCache's calls block; its loop is its own)."""
 
     def __init__(self, cfg: LMCacheTierConfig, name: str | None = None):
@@ -165,7 +166,7 @@ class LMCacheTier(BatchMixin):
     def _key(self, key: StoreKey):
         from lmcache.utils import CacheEngineKey
 
-        return CacheEngineKey(namespace_tag(key.namespace), 1, 0, chunk_hash(key.digest), self._torch.uint8)
+        return CacheEngineKey(tenant_tag(key.tenant), 1, 0, chunk_hash(key.digest), self._torch.uint8)
 
     # -- disk workarounds --------------------------------------------------------------------------
     def _disk(self):

@@ -14,12 +14,12 @@ import itertools
 import threading
 import time
 
-from contextkit.errors import ConfigError
-from contextkit.kvstore.base import BatchMixin, StoreKey, TierStats
+from contextkit.core.errors import ConfigError
+from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.kvstore.entry import Entry
 
 
-class MemoryTier(BatchMixin):
+class MemoryTier:
     name = "memory"
 
     def __init__(self, max_bytes: int = 2 << 30):
@@ -49,7 +49,7 @@ class MemoryTier(BatchMixin):
                 self._stats.add("misses")
                 return None
             entry, _, hits = row
-            if entry.meta.namespace != key.namespace or entry.meta.digest != key.digest:
+            if entry.meta.tenant != key.tenant or entry.meta.digest != key.digest:
                 self._drop(key.digest)  # cannot happen through put(); checked anyway
                 self._stats.add("corrupt")
                 self._stats.add("misses")

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from contextkit.config import KVStoreConfig
-from contextkit.errors import ConfigError
-from contextkit.kvstore.base import BatchMixin, KVStore, StoreKey, prometheus
+from contextkit.core.config import KVStoreConfig
+from contextkit.core.errors import ConfigError
+from contextkit.kvstore.base import KVStore, StoreKey
 from contextkit.kvstore.entry import Entry
 from contextkit.kvstore.memory import MemoryTier
 
 
-class TieredStore(BatchMixin):
+class TieredStore:
     name = "tiered"
 
     def __init__(self, tiers: Sequence[KVStore]):
@@ -53,9 +53,6 @@ class TieredStore(BatchMixin):
 
     def stats(self) -> dict[str, dict]:
         return {t.name: t.stats() for t in self.tiers}
-
-    def prometheus(self) -> str:
-        return prometheus(self.stats())
 
     def close(self) -> None:
         for t in self.tiers:

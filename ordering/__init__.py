@@ -1,6 +1,7 @@
 """Evidence ordering for prefix caches: prefix tree over served sequences (tree.py), greedy walk and
-oracle (weaver.py), block-aligned rendering (align.py). Touches no tensors."""
+oracle (weaver.py). Touches no tensors. ``Weaver`` implements ``contextkit.core.planner.Orderer``."""
 
-from contextkit.ordering.weaver import Doc, OrderResult, Weaver, oracle
+from contextkit.core.types import Doc, OrderResult
+from contextkit.ordering.weaver import Weaver, oracle
 
 __all__ = ["Doc", "OrderResult", "Weaver", "oracle"]

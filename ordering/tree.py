@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 
 
 @dataclass(eq=False)

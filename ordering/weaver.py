@@ -4,7 +4,7 @@
 retrieved documents) with the most reusable tokens, then appends the remaining documents in retrieval
 order (the retriever's ranking is the best remaining signal, and keeping it makes the unmatched tail
 identical across repeats of the same retrieval, which seeds the next reuse). It then records the served
-order in the tree. The evidence set never changes, only its order.
+order in the tree (or leaves that to ``record``). The evidence set never changes, only its order.
 
 Reusable tokens are counted the way the engine reuses them: in whole blocks (vLLM hashes KV in blocks
 of ``block_size`` tokens; a partial block at a document boundary is recomputed).
@@ -16,28 +16,12 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.planner import MAX_DOCUMENTS as MAX_K
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Doc, OrderResult
 from contextkit.ordering.tree import PrefixTree
-
-MAX_K = 1024  # documents per request accepted; beyond this a request is certainly malformed
-
-
-@dataclass(frozen=True, slots=True)
-class Doc:
-    """A retrieved document as ordering sees it: an id and its rendered token length."""
-
-    id: str
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class OrderResult:
-    order: tuple[int, ...]  # permutation: order[i] = index into the retrieved list
-    reusable_tokens: int  # expected prefix-cache hit, in whole blocks
-    matched_docs: int  # how many leading documents the tree matched
-    overhead_us: float
 
 
 def reusable(tree: PrefixTree, docs: Sequence[Doc], block_size: int) -> tuple[int, int]:
@@ -49,21 +33,6 @@ def reusable(tree: PrefixTree, docs: Sequence[Doc], block_size: int) -> tuple[in
         total += node.tokens
         matched += 1
     return total - total % block_size if block_size > 1 else total, matched
-
-
-_SALT_FORBIDDEN = set("@/\\\x00")
-
-
-def check_tenant(tenant: str) -> str:
-    """A tenant is a namespace: its own tree here, and vLLM's ``cache_salt`` upstream, so it must be a
-    valid salt there too (at most 128 characters, none of ``@ / \\`` or NUL). ``""`` is the shared default.
-    An unknown tenant is not an error: it starts with an empty tree and learns nothing from others."""
-    if not isinstance(tenant, str):
-        raise InputError(f"tenant must be a string, got {type(tenant).__name__}")
-    if len(tenant) > 128 or _SALT_FORBIDDEN & set(tenant):
-        raise InputError(f"tenant {tenant[:40]!r} must be at most 128 characters without '@', '/', '\\' or NUL "
-                         "(it is sent to vLLM as cache_salt)")
-    return tenant
 
 
 def _check(docs: Sequence[Doc]) -> None:
@@ -94,15 +63,25 @@ class Weaver:
         self._trees: dict[str, PrefixTree] = {}
         self._lock = threading.Lock()
 
-    def tree(self, tenant: str = "") -> PrefixTree:
-        check_tenant(tenant)
+    def tree(self, tenant: Tenant | str = "") -> PrefixTree:
+        """The tenant's tree (an unknown tenant starts with an empty one and learns nothing from others)."""
+        name = Tenant.of(tenant).name
         with self._lock:
-            if tenant not in self._trees:
-                self._trees[tenant] = PrefixTree(self.max_nodes)
-            return self._trees[tenant]
+            if name not in self._trees:
+                self._trees[name] = PrefixTree(self.max_nodes)
+            return self._trees[name]
 
-    def order(self, docs: Sequence[Doc], tenant: str = "", record: bool = True) -> OrderResult:
-        """The most reusable order of ``docs`` for ``tenant``; records it as served unless ``record=False``.
+    def record(self, docs: Sequence[Doc], tenant: Tenant | str = "") -> None:
+        """``docs`` were served in this order to an engine: its prefix cache now holds them."""
+        _check(docs)
+        tree = self.tree(tenant)
+        if docs:
+            with self._lock:
+                tree.insert((d.id, d.tokens) for d in docs)
+
+    def order(self, docs: Sequence[Doc], tenant: Tenant | str = "", record: bool = True) -> OrderResult:
+        """The most reusable order of ``docs`` for ``tenant``; records it as served unless ``record=False``
+        (the planner asks without recording and the caller records once the engine accepted the request).
 
         Empty evidence is valid and returns an empty order.
         """

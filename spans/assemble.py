@@ -19,16 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from contextkit.engine.kvcache import PAD_SEGMENT, KVCache
-from contextkit.engine.model import Engine
-from contextkit.errors import PromptTooLongError
+from contextkit.core.kvcache import PAD_SEGMENT, KVCache
+from contextkit.core.engine import KVEngine
+from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.kernels.rerotate import Rerotator
-from contextkit.plan import RequestPlan, ReuseReport
+from contextkit.core.plan import RequestPlan, ReuseReport
 from contextkit.spans.compile import compile_span, model_identity, write_span
 from contextkit.spans.key import span_key
 from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
-from contextkit.types import Span
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Span
 
 
 @dataclass
@@ -61,7 +62,7 @@ class SpanCache:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: KVEngine,
         store: SpanStore | None = None,
         rerotator: Rerotator | None = None,
         tokenizer_fingerprint: str = "",
@@ -72,14 +73,14 @@ class SpanCache:
         self.identity = model_identity(engine, tokenizer_fingerprint)
 
     def compiled(
-        self, span: Span, deps: tuple[CompiledSpan, ...] = (), namespace: str = ""
+        self, span: Span, deps: tuple[CompiledSpan, ...] = (), tenant: Tenant | str = ""
     ) -> tuple[CompiledSpan, bool]:
         """The span's KV from the store, or compiled now and stored; and whether it was a hit."""
-        key = span_key(self.identity, span.token_ids, tuple(d.key for d in deps), namespace)
+        key = span_key(self.identity, span.token_ids, tuple(d.key for d in deps), tenant)
         hit = self.store.get(key)
         if hit is not None:
             return hit, True
-        entry = compile_span(self.engine, self.identity, span, self.rerotator, deps, namespace)
+        entry = compile_span(self.engine, self.identity, span, self.rerotator, deps, tenant)
         self.store.put(entry)
         return entry, False
 
@@ -107,16 +108,18 @@ class SpanCache:
             prev_reused = item.reuse
         return placed, owner, slot
 
-    def assemble(self, plan: RequestPlan, namespace: str = "", extra_capacity: int = 256) -> Assembly:
+    def assemble(self, plan: RequestPlan, extra_capacity: int = 256) -> Assembly:
         """Build the request's KV per ``plan.options`` and prefill its query.
 
         Args:
             plan: spans in order, the last one the query (not reused).
-            namespace: tenant / cache salt; part of every span key.
             extra_capacity: free slots left in the cache for decoding.
         """
         t_start = time.perf_counter()
         engine, opts = self.engine, plan.options
+        if opts is None:
+            raise ConfigError("this plan allows no span reuse (options=None): prefill plan.ids instead, or plan "
+                              "the request with reuse=ReuseOptions(...)")
         placed, owner, n_slots = self._layout(plan)
         last_pos = max(p.position + len(p.ids) for p in placed)
         if last_pos + extra_capacity > engine.spec.max_positions:
@@ -150,7 +153,7 @@ class SpanCache:
             if not item.reuse:
                 continue
             t0 = time.perf_counter()
-            entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), namespace)
+            entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), plan.tenant)
             elapsed = (time.perf_counter() - t0) * 1e3
             compiled[i] = entry
             if hit:

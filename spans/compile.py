@@ -7,15 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from contextkit.engine.kvcache import KVCache
-from contextkit.engine.model import Engine
+from contextkit.core.kvcache import KVCache
+from contextkit.core.engine import KVEngine
 from contextkit.kernels.rerotate import Rerotator
 from contextkit.spans.key import ModelIdentity, SpanKey, span_key
 from contextkit.spans.store import CompiledSpan
-from contextkit.types import Span
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Span
 
 
-def model_identity(engine: Engine, tokenizer_fingerprint: str = "") -> ModelIdentity:
+def model_identity(engine: KVEngine, tokenizer_fingerprint: str = "") -> ModelIdentity:
     ropes: list = []
     for layer in engine.spec.layers:
         if layer.rope not in ropes:
@@ -29,7 +30,7 @@ def model_identity(engine: Engine, tokenizer_fingerprint: str = "") -> ModelIden
 
 
 def rotate_layers(
-    engine: Engine, k: torch.Tensor, delta: int, out: torch.Tensor, rerotator: Rerotator
+    engine: KVEngine, k: torch.Tensor, delta: int, out: torch.Tensor, rerotator: Rerotator
 ) -> None:
     """Rotate keys (layers, kv_heads, n, D) by ``delta`` positions into ``out``, per layer's RoPE geometry."""
     specs = [layer.rope for layer in engine.spec.layers]
@@ -41,7 +42,7 @@ def rotate_layers(
 
 
 def write_span(
-    engine: Engine,
+    engine: KVEngine,
     cache: KVCache,
     span: CompiledSpan,
     slot: int,
@@ -62,15 +63,15 @@ def write_span(
 
 
 def compile_span(
-    engine: Engine,
+    engine: KVEngine,
     identity: ModelIdentity,
     span: Span,
     rerotator: Rerotator,
     deps: Sequence[CompiledSpan] = (),
-    namespace: str = "",
+    tenant: Tenant | str = "",
 ) -> CompiledSpan:
     """Run ``span`` through the engine once (after ``deps``, if any) and keep its KV position-free."""
-    key: SpanKey = span_key(identity, span.token_ids, tuple(d.key for d in deps), namespace)
+    key: SpanKey = span_key(identity, span.token_ids, tuple(d.key for d in deps), tenant)
     n = len(span.token_ids)
     offset = sum(d.num_tokens for d in deps)
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 A key names everything that changes a span's KV except its position: the model and tokenizer
 fingerprints, dtype, the RoPE geometry of every layer, the token ids, what it was allowed to attend to
-(the keys of the spans it was compiled after: "prompt depend"), and the namespace (tenant) it belongs
+(the keys of the spans it was compiled after: "prompt depend"), and the tenant it belongs
 to. Token ids are hashed in a chain from a seeded root, like vLLM's block hashes, and the stored entry
 keeps the ids so that a hit is checked token by token.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contextkit.core.tenant import Tenant
 from contextkit.kernels.rope import RopeSpec
 
 _ROOT = b"contextkit-span-v1"
@@ -46,7 +47,7 @@ class SpanKey:
     tokens: str  # token_digest of the ids
     num_tokens: int
     depends_on: tuple[SpanKey, ...] = ()
-    namespace: str = ""
+    tenant: str = ""  # the tenant's name
 
     @property
     def digest(self) -> str:
@@ -61,12 +62,17 @@ class SpanKey:
             "tokens": self.tokens,
             "n": self.num_tokens,
             "deps": [d.digest for d in self.depends_on],
-            "ns": self.namespace,
+            "tenant": self.tenant,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def span_key(
-    identity: ModelIdentity, token_ids: tuple[int, ...], depends_on: tuple[SpanKey, ...] = (), namespace: str = ""
+    identity: ModelIdentity,
+    token_ids: tuple[int, ...],
+    depends_on: tuple[SpanKey, ...] = (),
+    tenant: Tenant | str = "",
 ) -> SpanKey:
-    return SpanKey(identity, token_digest(token_ids), len(token_ids), depends_on, namespace)
+    """The key of ``token_ids`` compiled after ``depends_on`` for ``tenant`` (checked: a name no tenant
+    may have is refused here too, not only where requests enter)."""
+    return SpanKey(identity, token_digest(token_ids), len(token_ids), depends_on, Tenant.of(tenant).name)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from contextkit.engine.kvcache import KVCache
-from contextkit.engine.model import Engine
-from contextkit.plan import ReuseOptions
+from contextkit.core.kvcache import KVCache
+from contextkit.core.engine import KVEngine
+from contextkit.core.plan import ReuseOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ def _top(candidates: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.
     return candidates[order[:count]].sort().values
 
 
-def select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
+def select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
     """Slots of reused tokens to recompute under ``options`` (the cache holds the laid-out spans).
 
     ``options.first_k`` tokens at the start of every candidate span are added to any policy's choice:
@@ -100,7 +100,7 @@ def _first_k(layout: Layout, k: int) -> torch.Tensor:
     return torch.cat(picked).sort().values if picked else cand[:0]
 
 
-def _select(engine: Engine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
+def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
     cand = layout.candidates
     policy = options.policy
     if policy == "none" or cand.numel() == 0 or (options.ratio == 0 and options.fidelity_budget is None

@@ -63,7 +63,7 @@ class KVSpanStore:
     """Compiled spans kept in a ``kvstore`` (memory, LMCache disk, LMCache remote tiers).
 
     A span is one entry: K, V and its token ids. kvstore checks bytes and keys (checksum, digest,
-    namespace); this layer checks what the bytes mean (``CompiledSpan.problem``: key, token count,
+    tenant); this layer checks what the bytes mean (``CompiledSpan.problem``: key, token count,
     shapes, dtype, token ids against the key). Either failure drops the entry from every tier, counts
     it under ``rejected`` and answers a miss, so the span is recompiled, never served wrong.
     """

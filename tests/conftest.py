@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from contextkit.config import ContextKitConfig
-from contextkit.models import prepare
+from contextkit.core.config import ContextKitConfig
+from contextkit.core.models import prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -126,3 +128,43 @@ def lmcache_url():
     from contextkit.integrations.services import lmcache_server
 
     yield from _service("CONTEXTKIT_LMCACHE_URL", lmcache_server)
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` (absent in a user's clone: tests that use it fall back to the bundled example)."""
+    return SHARED_DATA
+
+
+def _run_cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "contextkit.cli", *args], input=stdin, capture_output=True, text=True,
+        timeout=timeout, cwd=REPO, env=env,
+    )
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """Run the ``contextkit`` command as a user does: a real subprocess, output captured."""
+    return _run_cli
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="session")
+def one_line_error():
+    """Check that a CLI run failed with exit 2 and one ``error:`` line holding every needle."""
+    return _assert_one_line_error

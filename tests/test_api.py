@@ -12,7 +12,7 @@ PUBLIC = [
     "ConfigError", "ContextKit", "ContextKitConfig", "ContextKitError", "CorruptModelError", "EmptyInputError",
     "Engine", "Evidence", "Generation", "InputError", "KVCache", "KVCacheError", "ModelError",
     "ModelNotFoundError", "PromptTooLongError", "SamplingParams", "UnsupportedModelError", "__version__",
-    "KVStoreConfig", "Weaver",
+    "KVStoreConfig", "Weaver", "ChatRequest", "CorruptEntryError", "Message", "Planner", "Tenant", "UpstreamError",
 ]
 
 

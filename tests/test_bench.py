@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
-from test_cli import cli
 
 
-def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir):
+def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir, cli):
     out, png = tmp_path / "engine.json", tmp_path / "engine.png"
     proc = cli("bench", "engine", "--n", "2", "--json", str(out), "--plot", str(png),
                "--set", "lengths=64,128", "--set", "decode_tokens=2", "--set", "eager=0")
@@ -27,7 +26,7 @@ def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir):
     assert "prefill_ms_p50" in proc.stdout  # the table
 
 
-def test_bench_rejects_unknown_name_and_bad_data(tmp_path):
+def test_bench_rejects_unknown_name_and_bad_data(tmp_path, cli):
     proc = cli("bench", "nope")
     assert proc.returncode == 2 and "unknown bench" in proc.stderr
     bad = tmp_path / "bad.jsonl"
@@ -36,7 +35,7 @@ def test_bench_rejects_unknown_name_and_bad_data(tmp_path):
     assert proc.returncode == 2 and "passages" in proc.stderr
 
 
-def test_bench_spans_small_run(tmp_path, smol_dir):
+def test_bench_spans_small_run(tmp_path, smol_dir, cli):
     out = tmp_path / "spans.json"
     proc = cli("bench", "spans", "--n", "1", "--json", str(out), "--plot", str(tmp_path / "s.png"),
                "--set", "decode_tokens=4", "--set", "min_tokens=100", "--set", "max_tokens=2100")
@@ -58,7 +57,7 @@ def test_bench_spans_small_run(tmp_path, smol_dir):
     assert proc.returncode == 2 and "min_tokens" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_bench_rope_small_run(tmp_path, smol_dir):
+def test_bench_rope_small_run(tmp_path, smol_dir, cli):
     out = tmp_path / "rope.json"
     proc = cli("bench", "rope", "--n", "1", "--json", str(out), "--set", "tokens=256", "--set", "reps=3",
                "--set", "dtypes=float32")

@@ -10,39 +10,19 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "contextkit.cli", *args], input=stdin, capture_output=True, text=True,
-        timeout=timeout, cwd=REPO, env=env,
-    )
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _prepared(smol_dir):
     """The CLI reuses the session's prepared model (same cache dir)."""
 
 
-def test_generate_answers_the_example_question():
+def test_generate_answers_the_example_question(cli):
     proc = cli("generate", "--input", "examples/question.json", "--max-new-tokens", "48")
     assert proc.returncode == 0, proc.stderr
     assert "Eiffel" in proc.stdout
     assert "prompt tokens" in proc.stderr
 
 
-def test_generate_from_stdin_json_and_document_files(tmp_path):
+def test_generate_from_stdin_json_and_document_files(tmp_path, cli):
     doc = tmp_path / "note.txt"
     doc.write_text("The secret code word is pineapple.")
     proc = cli("generate", "-i", "-", "-d", str(doc), "--no-stats", "--max-new-tokens", "20",
@@ -51,42 +31,42 @@ def test_generate_from_stdin_json_and_document_files(tmp_path):
     assert "pineapple" in proc.stdout.lower()
 
 
-def test_unknown_model():
-    assert_one_line_error(cli("generate", "hi", "--model", "no-such-model"), "unknown model", "known models")
+def test_unknown_model(cli, one_line_error):
+    one_line_error(cli("generate", "hi", "--model", "no-such-model"), "unknown model", "known models")
 
 
-def test_empty_inputs(tmp_path):
+def test_empty_inputs(tmp_path, cli, one_line_error):
     empty = tmp_path / "empty.json"
     empty.write_text("")
-    assert_one_line_error(cli("generate", "--input", str(empty)), "empty")
+    one_line_error(cli("generate", "--input", str(empty)), "empty")
     no_q = tmp_path / "noq.json"
     no_q.write_text(json.dumps({"documents": ["text"], "question": "  "}))
-    assert_one_line_error(cli("generate", "--input", str(no_q)), "question")
+    one_line_error(cli("generate", "--input", str(no_q)), "question")
     blank_doc = tmp_path / "blank.json"
     blank_doc.write_text(json.dumps({"documents": [{"text": " "}], "question": "why?"}))
-    assert_one_line_error(cli("generate", "--input", str(blank_doc)), "document 1")
+    one_line_error(cli("generate", "--input", str(blank_doc)), "document 1")
 
 
-def test_malformed_json(tmp_path):
+def test_malformed_json(tmp_path, cli, one_line_error):
     bad = tmp_path / "bad.json"
     bad.write_text("{question: nope")
-    assert_one_line_error(cli("generate", "--input", str(bad)), "not valid JSON")
+    one_line_error(cli("generate", "--input", str(bad)), "not valid JSON")
 
 
-def test_prompt_longer_than_context(tmp_path, passage_text):
+def test_prompt_longer_than_context(tmp_path, passage_text, cli, one_line_error):
     long = tmp_path / "long.json"
     long.write_text(json.dumps({"documents": [passage_text * 4], "question": "Summarise."}))
-    assert_one_line_error(cli("generate", "--input", str(long)), "context", "shorten")
+    one_line_error(cli("generate", "--input", str(long)), "context", "shorter")
 
 
-def test_corrupt_gguf(tmp_path):
+def test_corrupt_gguf(tmp_path, cli, one_line_error):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     proc = cli("models", "prepare", "broken", "--gguf", str(bad), "--cache-dir", str(tmp_path / "c"))
-    assert_one_line_error(proc, "corrupt")
+    one_line_error(proc, "corrupt")
 
 
-def test_models_list_shows_prepared_default(smol_dir):
+def test_models_list_shows_prepared_default(smol_dir, cli):
     proc = cli("models", "list")
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout

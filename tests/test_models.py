@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from contextkit.errors import CorruptModelError, ModelNotFoundError
-from contextkit.models import REGISTRY, list_prepared, prepare, resolve
+from contextkit.core.errors import CorruptModelError, ModelNotFoundError
+from contextkit.core.models import REGISTRY, list_prepared, prepare, resolve
 
 
 def test_prepared_dir_is_complete_and_reused(smol_dir, config):
@@ -61,3 +61,42 @@ def test_stale_partial_directory_is_replaced(tmp_path, smol_dir):
     again = prepare("own", tmp_path, gguf=own)
     assert again == first and (again / "contextkit.json").is_file()
     assert (again / "model.safetensors").stat().st_size > 1000
+
+
+def test_model_identity_is_the_weights_content(tiny_dirs, tmp_path):
+    """Two directories differing only in one weight value get different span keys; a weight replaced in
+    place is noticed (its cached digest is stale); an unchanged directory keeps its cached digest."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from contextkit.core.models import WEIGHTS_DIGEST, weights_digest
+    from contextkit.engine import Engine
+    from contextkit.spans.compile import model_identity
+    from contextkit.spans.key import span_key
+
+    a = tmp_path / "a"
+    shutil.copytree(tiny_dirs["qwen2"], a)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    tensors = load_file(b / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0  # one value of one weight
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    assert (a / "model.safetensors").stat().st_size == (b / "model.safetensors").stat().st_size
+
+    def key_of(d):
+        return span_key(model_identity(Engine.from_dir(d)), (1, 2, 3)).digest
+
+    assert key_of(a) != key_of(b)
+    assert json.loads((a / WEIGHTS_DIGEST).read_text())["sha256"] == weights_digest(a)  # cached beside them
+    before = weights_digest(a)
+    shutil.copy2(b / "model.safetensors", a / "model.safetensors")  # replaced in place (mtime changes)
+    assert weights_digest(a) == weights_digest(b) != before
+
+
+def test_prepared_model_has_its_digest(smol_dir):
+    from contextkit.core.models import WEIGHTS_DIGEST
+
+    cached = json.loads((smol_dir / WEIGHTS_DIGEST).read_text())
+    assert len(cached["sha256"]) == 64 and "model.safetensors" in cached["files"]

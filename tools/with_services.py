@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     cmd = argv[argv.index("--") + 1 :]
     from contextkit.integrations.services import lmcache_server, redis_server
     from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
-    from contextkit.models import prepare
+    from contextkit.core.models import prepare
 
     logs = Path(os.environ.get("CONTEXTKIT_SERVICES_LOG_DIR", REPO / ".services-logs"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from contextkit.errors import InputError
-from contextkit.types import Evidence
+from contextkit.core.errors import InputError
+from contextkit.core.types import Evidence
 
 # Where the repository's shared data lives relative to a checkout; absent in a user's clone.
 SHARED_MULTIHOP = Path("../shared/data/multihop_dev.jsonl")

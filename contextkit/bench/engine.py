@@ -21,18 +21,19 @@ from contextkit.bench.data import load_records, sample
 from contextkit.bench.metrics import kl_divergence
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats
 from contextkit.engine.model import Engine, parse_dtype
-from contextkit.kit import resolve_model_dir
-from contextkit.prompt import render_prompt
-from contextkit.tokenizer import Tokenizer
+from contextkit.core.models import resolve_model_dir
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.tokenizer import Tokenizer
 
 
 def _prompts(ctx: BenchContext, tokenizer: Tokenizer, length: int, count: int) -> list[list[int]]:
     records = load_records(ctx.data)
+    planner = Planner(tokenizer)
     out = []
     for i in range(count):
         ids: list[int] = []
         for rec in sample(records, len(records), ctx.seed + 1000 * length + i):
-            ids += render_prompt(tokenizer, rec.question, rec.passages)
+            ids += planner.plan(ChatRequest.ask(rec.question, rec.passages, ordering="retrieval")).ids
             if len(ids) >= length:
                 break
         if len(ids) < length:
@@ -74,9 +75,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     dtypes = ctx.option("dtypes", ("float32", "bfloat16"), lambda s: tuple(s.split(",")))
     decode_tokens = ctx.option("decode_tokens", 16, int)
     eager_row = ctx.option("eager", True, lambda s: s.lower() in ("1", "true", "yes"))
-    model_dir = resolve_model_dir(ctx.config)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     tokenizer = Tokenizer(model_dir)
-    prompts = {L: _prompts(ctx, tokenizer, L, ctx.n) for L in lengths}
+    prompts = {L: _prompts(ctx, tokenizer, L, ctx.count(3)) for L in lengths}
 
     impls: list[tuple[str, str, Any]] = []  # (impl name, dtype, runner)
     for dt in dtypes:
@@ -84,7 +85,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         impls.append(("transformers", dt, _HF(model_dir, parse_dtype(dt), None)))
     if eager_row and "float32" in dtypes:
         impls.append(("transformers-eager-attn", "float32", _HF(model_dir, torch.float32, "eager")))
-    tick(total=len(impls) * len(lengths) * ctx.n)
+    tick(total=len(impls) * len(lengths) * ctx.count(3))
 
     prefill: dict[tuple[str, str, int], list[float]] = {}
     decode: dict[tuple[str, str, int], list[float]] = {}
@@ -135,9 +136,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             }
             if name == "engine" and dt != "float32" and ("engine", "float32", L, 0) in last_logits:
                 pairs = [(last_logits[("engine", "float32", L, i)], last_logits[("engine", dt, L, i)])
-                         for i in range(ctx.n)]
+                         for i in range(ctx.count(3))]
                 row["kl_vs_float32_p50"] = round(median([kl_divergence(a, b) for a, b in pairs]), 6)
-                row["top1_agreement_vs_float32"] = sum(int(a.argmax() == b.argmax()) for a, b in pairs) / ctx.n
+                row["top1_agreement_vs_float32"] = sum(int(a.argmax() == b.argmax()) for a, b in pairs) / ctx.count(3)
             row["default"] = name == "engine" and dt == ctx.config.dtype and L == max(lengths)
             rows.append(row)
 
@@ -170,7 +171,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "lengths": list(lengths),
         "dtypes": list(dtypes),
         "decode_tokens": decode_tokens,
-        "n": ctx.n,
+        "n": ctx.count(3),
         "seed": ctx.seed,
         "data": str(ctx.data) if ctx.data else "default",
     }

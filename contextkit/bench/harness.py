@@ -22,10 +22,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from contextkit.config import ContextKitConfig
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.config import ContextKitConfig
+from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.stats import percentile
 
-# name -> module that defines run(ctx, progress) -> BenchResult (and optionally plot(result, path))
+# name -> module that defines run(ctx, progress) -> BenchResult (and optionally plot(result, path)).
+# Each bench reports how much it actually used in its summary under one of USED (printed after the table).
+USED = ("requests", "questions", "prompts", "reps")
 BENCHES = {
     "engine": "contextkit.bench.engine",
     "spans": "contextkit.bench.spans",
@@ -40,7 +43,7 @@ BENCHES = {
 class BenchContext:
     name: str
     data: Path | None
-    n: int
+    n: int | None  # None: the bench's own default (a replayed trace: all of it)
     seed: int
     json_out: Path | None
     plot: Path | None
@@ -48,8 +51,12 @@ class BenchContext:
     options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.n < 1:
+        if self.n is not None and self.n < 1:
             raise ConfigError(f"--n must be >= 1, got {self.n}")
+
+    def count(self, default: int) -> int:
+        """``--n``, or the bench's ``default`` when it was not given."""
+        return default if self.n is None else self.n
 
     def option(self, key: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
         """A bench-specific ``--set KEY=VALUE`` option, cast, or ``default``."""
@@ -86,17 +93,6 @@ class Tick:
             self._progress.update(self._task, total=total)
             return
         self._progress.update(self._task, advance=advance, description=description or "")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 0) -> list[float]:
@@ -144,6 +140,9 @@ def print_table(result: BenchResult, console: Console) -> None:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console.print(table)
     console.print({k: v for k, v in result.summary.items()})
+    used = [f"{result.summary[k]} {k}" for k in USED if k in result.summary]
+    if used:
+        console.print(f"bench {result.bench} used {', '.join(used)}", highlight=False)
 
 
 def _fmt(v: Any) -> str:

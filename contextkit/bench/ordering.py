@@ -8,7 +8,7 @@ tree), ``weaver+aligned`` (the same, every document padded to the engine's block
 emptied (``POST /reset_prefix_cache``; the server this bench starts runs in dev mode). On a server that
 refuses it, each policy gets its own cache salt instead, which isolates it just as well.
 
-Each request is rendered to token ids the way ``contextkit.prompt`` renders them (chat template prefix,
+Each request is rendered to token ids the way ``contextkit.core.prompt`` renders them (chat template prefix,
 one separately tokenized block per document, question) and sent as a token-id prompt, streaming, greedy,
 with the tenant as vLLM's ``cache_salt``.
 
@@ -34,15 +34,15 @@ from pathlib import Path
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, timing_stats
 from contextkit.bench.metrics import answer_em, answer_f1
 from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace, write_trace
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 from contextkit.integrations.openai_client import CompletionClient
-from contextkit.integrations.proxy_docs import Renderer
 from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
-from contextkit.models import prepare
-from contextkit.ordering.align import pad_to_block
-from contextkit.ordering.weaver import Doc, Weaver, oracle
-from contextkit.tokenizer import Tokenizer
-from contextkit.types import Evidence
+from contextkit.core.models import prepare
+from contextkit.core.align import pad_to_block
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Doc, Evidence, Message, OrderResult
+from contextkit.ordering.weaver import Weaver, oracle
 
 POLICIES = ("retrieval", "weaver", "weaver+aligned", "oracle")
 
@@ -50,44 +50,56 @@ POLICIES = ("retrieval", "weaver", "weaver+aligned", "oracle")
 def load_stream(ctx: BenchContext, k: int) -> list[TraceRequest]:
     trace = ctx.option("trace", None)
     if trace:
-        requests = read_trace(Path(trace))[: ctx.n]
+        requests = read_trace(Path(trace))  # all of it unless --n says otherwise
+        requests = requests[: ctx.n] if ctx.n is not None else requests
     else:
         from contextkit.bench.data import load_records
         from contextkit.bench.retrieval import Retriever, passage_pool
 
         records = load_records(ctx.data)
         retriever = Retriever(passage_pool(records), ctx.config.cache_dir)
-        requests = generate(records, retriever, WorkloadSpec(requests=ctx.n, k=k, seed=ctx.seed))
+        requests = generate(records, retriever, WorkloadSpec(requests=ctx.count(200), k=k, seed=ctx.seed))
     out = ctx.option("write_trace", None)
     if out:
         write_trace(requests, Path(out))
     return requests
 
 
+class FixedOrder:
+    """An orderer that serves a chosen order (the bench's policies decide it themselves)."""
+
+    def __init__(self, order: tuple[int, ...]):
+        self._order = order
+
+    def order(self, docs, tenant=None, record=True) -> OrderResult:
+        return OrderResult(self._order, 0, 0, 0.0)
+
+    def record(self, docs, tenant=None) -> None:
+        pass
+
+
 class TraceRenderer:
-    """Trace requests through the proxy's renderer (``integrations.proxy_docs.Renderer``), so a bench
-    that sends token ids straight to vLLM sends exactly the tokens the proxy would."""
+    """Trace requests through the planner the proxy uses (``contextkit.core.planner``), so a bench that
+    sends token ids straight to vLLM sends exactly the tokens the proxy would."""
 
     def __init__(self, tokenizer: Tokenizer, block_size: int):
-        self.shared = Renderer(tokenizer, block_size)
+        self.planner = Planner(tokenizer, block_size)
         self.tok = tokenizer
 
     @staticmethod
-    def messages(req: TraceRequest) -> list[dict]:
-        return [{"role": "user", "content": req.question}]
-
-    @staticmethod
-    def documents(req: TraceRequest) -> list[Evidence]:
-        return [Evidence(d.text, d.title or None, d.id) for d in req.documents]
+    def request(req: TraceRequest, aligned: bool = False) -> ChatRequest:
+        docs = tuple(Evidence(d.text, d.id, d.title or None) for d in req.documents)
+        return ChatRequest((Message("user", req.question),), docs, ordering="weaver", block_align=aligned)
 
     def doc_tokens(self, req: TraceRequest) -> list[tuple[int, ...]]:
-        return [self.shared.doc_ids(e) for e in self.documents(req)]
+        return [self.planner.document_tokens(e) for e in self.request(req).documents]
 
     def prefix(self, req: TraceRequest) -> tuple[int, ...]:
-        return self.shared.frame(self.messages(req))[0]
+        return self.planner.frame(self.request(req))[0]
 
     def ids(self, req: TraceRequest, order: tuple[int, ...], aligned: bool) -> tuple[list[int], int]:
-        return self.shared.ids(self.messages(req), self.documents(req), order, aligned)
+        plan = self.planner.plan(self.request(req, aligned), FixedOrder(tuple(order)))
+        return plan.ids, plan.padding_tokens
 
 
 def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences: int, block_size: int, seed: int) -> list[float]:
@@ -208,7 +220,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             summary["aligned_ttft_vs_weaver"] = round(by["weaver+aligned"]["ttft_ms_p50"] / w["ttft_ms_p50"], 4)
     config = {"k": k, "block_size": block, "max_tokens": max_tokens, "policies": policies,
               "upstream": ctx.option("upstream", "") or "started by the bench",
-              "trace": ctx.option("trace", None), "n": ctx.n, "seed": ctx.seed}
+              "trace": ctx.option("trace", None), "n": len(requests), "seed": ctx.seed}
     return BenchResult("ordering", config, rows, summary)
 
 

@@ -16,13 +16,10 @@ core of its own, while on a CPU engine spread over every core the difference mea
      exactly; what remains is the extra hop in and out, the proxy's own work and its event-loop queue,
      plus the load generator's own scheduling delays (which a direct request would also see: the
      estimate errs against the proxy). Not in it: a queue inside the proxy between the first bytes
-     reaching its socket and its relay reading them (measured once with an instrumented aiohttp:
-     p50 0.04 / p99 0.8 ms at 64 streams; see DEVELOPERS.md).
+     reaching its socket and its relay reading them (DEVELOPERS.md says what that measured).
    - ``paired_overhead_ms``: proxied TTFT minus the direct TTFT of the same prompt sent just before or
      after. Under load the two land in different engine steps, so this measures vLLM's scheduling
      noise as much as the proxy: the ``A/A control`` row applies it to direct vs direct.
-   (Sending both at the same instant was tried: the later arrival often waits one engine step, +40 ms
-   at 1 stream and p90 > 1 s at 64.)
 2. Documents: the trace's requests in arrival order, sequentially, directly to vLLM in retrieval order
    (token ids rendered the same way, ``bench ordering``'s ``retrieval`` policy) and then through the
    proxy as chat requests with ``documents`` and the tenant; vLLM's prefix cache emptied in between.
@@ -48,15 +45,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
+import psutil
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.ordering import TraceRenderer, load_stream
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 from contextkit.integrations.vllm_server import (
     VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model, wait_for_health,
 )  # fmt: skip
-from contextkit.models import prepare
-from contextkit.tokenizer import Tokenizer
+from contextkit.core.models import prepare
+from contextkit.core.tokenizer import Tokenizer
 
 
 async def _ttft(session: aiohttp.ClientSession, url: str, body: dict, rid: str | None = None) -> tuple[float, bool]:
@@ -85,15 +83,13 @@ def _session(connections: int) -> aiohttp.ClientSession:
 
 
 def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    return psutil.Process(pid).memory_info().rss // 1024
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds the process has used."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def _proxy_timings(log: Path, offset: int, want: set[str], wait_s: float = 5.0) -> dict[str, dict]:
@@ -387,6 +383,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                            rss_growth=round(growth, 4) if growth is not None else None)
         tick("soak")
         summary["errors"] = errors
+        summary["requests"] = len(requests)
     finally:
         os.sched_setaffinity(0, affinity)
         if proxy_proc is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError
 
 EMBEDDER = "all-MiniLM-L6-v2"
 

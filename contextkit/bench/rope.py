@@ -23,7 +23,7 @@ from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, ti
 from contextkit.engine.model import Engine, parse_dtype
 from contextkit.kernels.rerotate import Rerotator, rerotate_reference
 from contextkit.kernels.rope import rope
-from contextkit.kit import resolve_model_dir
+from contextkit.core.models import resolve_model_dir
 
 
 def _times(fn, reps: int) -> list[float]:
@@ -34,7 +34,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     tokens = ctx.option("tokens", 2048, int)
     reps = ctx.option("reps", 20, int)
     dtypes = ctx.option("dtypes", ("float32", "bfloat16"), lambda s: tuple(s.split(",")))
-    model_dir = resolve_model_dir(ctx.config)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     engine = Engine.from_dir(model_dir, "float32")
     spec = engine.spec
     rope_spec = spec.layers[0].rope
@@ -43,7 +43,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     ids = torch.randint(0, spec.vocab_size, (tokens,), generator=g)
 
     tick("prefill")
-    prefill_ms = median(_times(lambda: engine.forward(engine.new_cache(tokens), ids), max(ctx.n, 1)))
+    prefill_ms = median(_times(lambda: engine.forward(engine.new_cache(tokens), ids), max(ctx.count(3), 1)))
     rerotator = Rerotator("cpu")
     rows: list[dict[str, Any]] = []
     for dt in dtypes:
@@ -82,6 +82,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     rows.append(triton_row)
     best = next(r for r in rows if r.get("default"))
     summary = {
+        "reps": reps,
         "rerotate_vs_copy": best["vs_copy"],
         "rerotate_fraction_of_prefill": best["fraction_of_prefill"],
         "rerotate_ms_p50": best["ms_p50"],

@@ -13,6 +13,7 @@ prompts in the same run, methods interleaved in a rotating order per question:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,15 +22,15 @@ import torch
 from contextkit.bench.data import load_records, sample
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence
-from contextkit.engine.generate import SamplingParams, generate
-from contextkit.errors import InputError
+from contextkit.core.generation import SamplingParams
+from contextkit.engine.generate import generate
+from contextkit.core.errors import InputError
 from contextkit.engine.model import Engine
-from contextkit.kit import resolve_model_dir
-from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.prompt import render_segments
+from contextkit.core.models import resolve_model_dir
+from contextkit.core.plan import ReuseOptions
+from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
-from contextkit.tokenizer import Tokenizer
-from contextkit.types import Span
+from contextkit.core.tokenizer import Tokenizer
 
 RATIOS = (0.05, 0.1, 0.15, 0.3)
 
@@ -62,9 +63,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     max_tokens = ctx.option("max_tokens", 2100, int)
     decode = ctx.option("decode_tokens", 32, int)
     first_k = ctx.option("first_k", 8, int)
-    model_dir = resolve_model_dir(ctx.config)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     engine = Engine.from_dir(model_dir, ctx.config.dtype)
     tok = Tokenizer(model_dir)
+    planner = Planner(tok, context_limit=engine.spec.max_positions)
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
     table = methods(first_k)
 
@@ -72,10 +74,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     chosen = []
     records = load_records(ctx.data)
     for rec in sample(records, len(records), ctx.seed):
-        seg = render_segments(tok, rec.question, rec.passages)
-        if min_tokens <= len(seg.ids) <= max_tokens:
-            chosen.append((rec, seg))
-        if len(chosen) == ctx.n:
+        # retrieval order: the bench measures reuse at the positions the data gives
+        plan = planner.plan(ChatRequest.ask(rec.question, rec.passages, ordering="retrieval", max_new_tokens=decode))
+        if min_tokens <= plan.num_tokens <= max_tokens:
+            chosen.append((rec, plan))
+        if len(chosen) == ctx.count(50):
             break
     if not chosen:
         raise InputError(
@@ -86,12 +89,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
     compile_ms: list[float] = []
     params = SamplingParams(max_new_tokens=decode)
-    for qi, (rec, seg) in enumerate(chosen):
-        items = (
-            PlanItem(Span(seg.prefix, "system")),
-            *(PlanItem(Span(d)) for d in seg.documents),
-            PlanItem(Span(seg.suffix, "query"), reuse=False),
-        )
+    for qi, (rec, plan) in enumerate(chosen):
+        items = plan.items
         tick(f"compile q{qi}")
         t0 = time.perf_counter()
         for it in items[:-1]:
@@ -104,9 +103,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         for name in order:
             tick(f"{name} q{qi}")
             t0 = time.perf_counter()
-            asm = cache.assemble(RequestPlan(items, table[name]), extra_capacity=decode + 1)
+            asm = cache.assemble(dataclasses.replace(plan, options=table[name]), extra_capacity=decode + 1)
             ttft = (time.perf_counter() - t0) * 1e3
-            gen = generate(engine, tok, seg.ids, params, cache=asm.cache, first_logits=asm.logits)
+            gen = generate(engine, tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
             results[name] = (asm.logits[0], gen.token_ids, gen.text, ttft, asm.report)
         ref_logits, ref_tokens, _, _, _ = results["full"]
         for name, (logits, tokens, text, ttft, report) in results.items():
@@ -143,6 +142,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     fast = [r for r in rows if r["method"] != "full" and r["top1_agreement"] >= 0.8]
     max_speed = max(fast, key=lambda r: r["speedup_vs_full"]) if fast else by["reuse"]
     summary = {
+        "questions": len(chosen),
         "default_method": dflt,
         "speedup_vs_full": by[dflt]["speedup_vs_full"],
         "kl_p50": by[dflt]["kl_p50"],

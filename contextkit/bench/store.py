@@ -7,7 +7,7 @@ real: the default model's KV of 128 / 1k / 4k tokens of multi-hop passages, comp
 engine. Raw baselines: ``torch`` copy of the K and V tensors into preallocated ones (memory), reading
 the entry's bytes from a file into a preallocated buffer (disk; the strictest plain file I/O, also
 ``read()`` for reference), a raw redis-py GET of the entry's bytes (remote). A get here is everything a
-caller needs: fetch, checks (xxh3 checksum, key digest, namespace), tensors ready.
+caller needs: fetch, checks (xxh3 checksum, key digest, tenant), tensors ready.
 
 Options (``--set``): ``sizes`` (128,1024,4096), ``tiers`` (comma list), ``redis_url`` / ``lmcache_url``
 (else the bench starts its own servers on loopback and stops them), ``dtype`` (the engine's, float32).
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, time_ms
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 from contextkit.kvstore.entry import encode_bytes
 from contextkit.spans.compile import compile_span, model_identity
 from contextkit.spans.store import LAYOUT
@@ -54,9 +54,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.kvstore.entry import make_entry
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
     from contextkit.kvstore.memory import MemoryTier
-    from contextkit.models import prepare
-    from contextkit.tokenizer import Tokenizer
-    from contextkit.types import Span
+    from contextkit.core.models import prepare
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Span
 
     sizes = [int(s) for s in ctx.option("sizes", "128,1024,4096").split(",")]
     tiers = ctx.option("tiers", ",".join(TIERS)).split(",")
@@ -64,7 +64,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     if bad:
         raise ConfigError(f"unknown tiers {bad}; choose from {', '.join(TIERS)}")
     dtype = ctx.option("dtype", ctx.config.dtype)
-    reps = ctx.n
+    reps = ctx.count(20)
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     engine = Engine.from_dir(model_dir, dtype)
     tok = Tokenizer(model_dir)
@@ -157,7 +157,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             s.stop()
     at = {(r["tier"], r["tokens"]): r for r in rows}
     pick = 1024 if 1024 in sizes else sizes[len(sizes) // 2]
-    summary: dict = {"tokens": pick, "dtype": dtype, "compile_ms": round(compile_ms[pick], 1)}
+    summary: dict = {"reps": reps, "tokens": pick, "dtype": dtype, "compile_ms": round(compile_ms[pick], 1)}
     for name, keyname in (("memory", "memory_get_vs_copy"), ("disk", "disk_get_vs_read"),
                           ("redis", "remote_get_vs_redis"), ("lm", "lm_get_vs_redis"),
                           ("lmcache-cpu", "lmcache_cpu_get_vs_copy")):

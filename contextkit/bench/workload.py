@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,14 +9,13 @@ import pytest
 from contextkit.bench.data import load_records
 from contextkit.bench.retrieval import Retriever, passage_pool
 from contextkit.bench.workload import WorkloadSpec, generate, read_trace, write_trace
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError
 
-from conftest import SHARED_DATA
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    path = SHARED_DATA / "multihop_dev.jsonl"
+def small(tmp_path_factory, shared_data):
+    path = shared_data / "multihop_dev.jsonl"
     if not path.is_file():
         pytest.skip("needs ../shared/data/multihop_dev.jsonl")
     records = load_records(path)[:12]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contextkit.engine.generate import SamplingParams, Stream, generate, sample
+from contextkit.core.generation import SamplingParams
+from contextkit.engine.generate import Stream, generate, sample
 from contextkit.engine.model import Engine
-from contextkit.errors import ConfigError, EmptyInputError, PromptTooLongError
-from contextkit.prompt import render_prompt
-from contextkit.tokenizer import Tokenizer
-from contextkit.types import Evidence
+from contextkit.core.errors import ConfigError, EmptyInputError, PromptTooLongError
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Evidence
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def smol(smol_dir):
 def prompt(smol):
     _, tok, _ = smol
     docs = [Evidence("The Eiffel Tower is 330 metres tall and was built by Gustave Eiffel's company.", title="Eiffel")]
-    return render_prompt(tok, "Who built the Eiffel Tower?", docs)
+    return Planner(tok).plan(ChatRequest.ask("Who built the Eiffel Tower?", docs)).ids
 
 
 def test_greedy_matches_transformers_generate(smol, prompt):
@@ -95,4 +96,4 @@ def test_limits_and_bad_params(smol):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
     with pytest.raises(EmptyInputError, match="question"):
-        render_prompt(tok, "   ")
+        ChatRequest.ask("   ")

@@ -123,7 +123,7 @@ def test_segment_attention_isolates_spans(family, name):
 
 
 def test_cache_capacity_and_bad_tokens_are_clear_errors(family):
-    from contextkit.errors import KVCacheError
+    from contextkit.core.errors import KVCacheError
 
     engine, _, ids = family("smollm2")
     cache = engine.new_cache(10)

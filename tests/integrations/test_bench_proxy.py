@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import cli
-from test_vllm_ordering import _requests
 from contextkit.bench.workload import write_trace
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_proxy_small_run(tmp_path, vllm_url):
+def test_bench_proxy_small_run(tmp_path, vllm_url, cli, trace_requests):
     trace, out = tmp_path / "trace.jsonl", tmp_path / "proxy.json"
-    write_trace(_requests(2), trace)
+    write_trace(trace_requests(2), trace)
     proc = cli("bench", "proxy", "--upstream", vllm_url, "--trace", str(trace), "--n", "4", "--json", str(out),
                "--set", "concurrency=1,4", "--set", "requests_per_level=4", "--set", "soak_s=3",
                "--set", "max_tokens=2")
@@ -39,7 +37,7 @@ def test_cores_split_between_engine_and_proxy(monkeypatch):
     import os
 
     from contextkit.bench.proxy import _split_cpus
-    from contextkit.errors import ConfigError
+    from contextkit.core.errors import ConfigError
     from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})

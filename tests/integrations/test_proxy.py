@@ -8,46 +8,59 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from contextkit.integrations.proxy import ProxySettings, create_app
-from contextkit.integrations.vllm_server import free_port
-
-from conftest import REPO
+from contextkit.integrations.process import free_port
 
 pytestmark = pytest.mark.slow
 
 
-class ProxyThread:
-    def __init__(self, settings: ProxySettings):
-        import uvicorn
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A real HTTP hop in front of vLLM that records what it receives and the bytes vLLM answers, and
+    hands them on unchanged (event streams chunk by chunk)."""
 
-        self.port = free_port()
-        self.app = create_app(settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    seen: list = []
 
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started
-        return self
+    def _forward(self):
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
+        with httpx.stream(self.command, type(self).upstream + self.path, content=body, headers=headers, timeout=120) as r:
+            raw = b"".join(r.iter_raw())
+        type(self).seen.append({"path": self.path, "body": body, "status": r.status_code, "answer": raw})
+        self.send_response(r.status_code)
+        for k, v in r.headers.items():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
+    do_GET = do_POST = _forward
+
+    def log_message(self, *args):
+        pass
 
 
 @pytest.fixture(scope="module")
-def proxy(vllm_url, config):
+def recorder(vllm_url):
+    _Recorder.upstream, _Recorder.seen = vllm_url, []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield _Recorder, f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proxy(vllm_url, config, app_thread):
     settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60)
-    with ProxyThread(settings) as p:
+    with app_thread(create_app(settings)) as p:
         yield p
 
 
@@ -59,66 +72,72 @@ def clients(proxy, vllm_url):
 
 
 def _docs():
-    ex = json.loads((REPO / "examples" / "question.json").read_text())
+    ex = json.loads((Path(__file__).resolve().parents[2] / "examples" / "question.json").read_text())
     return ex["question"], [{"id": f"doc{i}", **d} for i, d in enumerate(ex["documents"])]
 
 
-def test_passthrough_changes_nothing(proxy, clients):
-    via, direct = clients
-    model = direct.models.list().data[0].id
-    assert [m.id for m in via.models.list().data] == [model]
-    msgs = [{"role": "user", "content": "Name a primary colour."}]
-    a = via.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
-    b = direct.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
-    assert a.choices[0].message.content == b.choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in via.chat.completions.create(
-        model=model, messages=msgs, max_tokens=12, temperature=0, stream=True) if c.choices)
-    assert streamed == b.choices[0].message.content
-    c = via.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
-    d = direct.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
-    assert c.choices[0].text == d.choices[0].text
-    chunks = list(via.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
-                                         temperature=0, stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == d.choices[0].text
-    tok = httpx.post(proxy.url + "/tokenize", json={"model": model, "prompt": "hello"}).json()
-    assert tok["tokens"] == httpx.post(direct.base_url.__str__().replace("/v1/", "/tokenize"),
-                                       json={"model": model, "prompt": "hello"}).json()["tokens"]
-    assert httpx.get(proxy.url + "/health").status_code == 200
-    root = direct.base_url.__str__().replace("/v1/", "")
-    assert httpx.get(proxy.url + "/version").json() == httpx.get(root + "/version").json()  # any upstream route
-    bad = httpx.post(proxy.url + "/v1/models", json={})  # the upstream's own 405, as it is
-    assert bad.status_code == httpx.post(root + "/v1/models", json={}).status_code == 405
-    missing = httpx.get(proxy.url + "/nothing-here")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+def test_passthrough_changes_nothing(recorder, config, app_thread):
+    """What the client sends reaches vLLM byte for byte, and what vLLM answers reaches the client byte for
+    byte (streamed or not): compared through a recording hop, never as two separate generations."""
+    rec, hop = recorder
+    with app_thread(create_app(ProxySettings(upstreams=[hop], cache_dir=config.cache_dir, timeout_s=60))) as p:
+        model = httpx.get(p.url + "/v1/models").json()["data"][0]["id"]
+        chat = {"model": model, "messages": [{"role": "user", "content": "Name a primary colour."}],
+                "max_tokens": 12, "temperature": 0}
+        cases = [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True}),
+                 ("/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 5}),
+                 ("/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 5,
+                                      "stream": True}),
+                 ("/tokenize", {"model": model, "prompt": "hello"})]
+        for path, body in cases:
+            sent = json.dumps(body, separators=(",", ":")).encode()
+            rec.seen.clear()
+            with httpx.stream("POST", p.url + path, content=sent, headers={"content-type": "application/json"},
+                              timeout=120) as r:
+                got = b"".join(r.iter_raw())
+            (hop_saw,) = rec.seen
+            assert hop_saw["path"] == path and hop_saw["body"] == sent, path  # the request, unchanged
+            assert r.status_code == hop_saw["status"] == 200 and got == hop_saw["answer"], path  # the answer too
+            assert b"[DONE]" in got if body.get("stream") else json.loads(got)
+        root = hop
+        assert httpx.get(p.url + "/version").json() == httpx.get(root + "/version").json()  # any upstream route
+        bad = httpx.post(p.url + "/v1/models", json={})  # the upstream's own 405, as it is
+        assert bad.status_code == httpx.post(root + "/v1/models", json={}).status_code == 405
+        missing = httpx.get(p.url + "/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+        assert httpx.get(p.url + "/health").status_code == 200
 
 
 def test_documents_are_ordered_for_the_prefix_cache(clients):
     via, direct = clients
     model = direct.models.list().data[0].id
     question, docs = _docs()
-    body = {"documents": docs, "contextkit": {"tenant": "acme"}}
-    first = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                        max_tokens=16, temperature=0, extra_body=body)
+    msgs = [{"role": "user", "content": question}]
+
+    def ask(documents, tenant, **kw):
+        body = {"documents": documents, "contextkit": {"tenant": tenant}, "return_token_ids": True}
+        return via.chat.completions.create(model=model, messages=msgs, temperature=0, extra_body=body, **kw)
+
+    first = ask(docs, "acme", max_tokens=16)
     ext = first.model_extra["contextkit"]
     assert ext["order"] == ["doc0", "doc1", "doc2"] and not ext["reordered"] and ext["tenant"] == "acme"
     assert first.choices[0].message.content
-    shuffled = {"documents": [docs[2], docs[0], docs[1]], "contextkit": {"tenant": "acme"}}
-    again = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                        max_tokens=16, temperature=0, extra_body=shuffled)
+    shuffled = [docs[2], docs[0], docs[1]]
+    again = ask(shuffled, "acme", max_tokens=16)
     ext2 = again.model_extra["contextkit"]
     assert ext2["order"] == ["doc0", "doc1", "doc2"] and ext2["reordered"]  # restored the served order
+    # vLLM received the very same prompt, and served all of it but the last partial block from cache
+    ids = first.choices[0].model_extra["prompt_token_ids"]
+    assert again.choices[0].model_extra["prompt_token_ids"] == ids and len(ids) == ext2["prompt_tokens"]
     assert ext2["cached_tokens"] >= ext2["expected_cached_tokens"] > 0
-    assert again.choices[0].message.content == first.choices[0].message.content  # same prompt, same answer
-    other = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                        max_tokens=4, temperature=0,
-                                        extra_body={"documents": shuffled["documents"], "contextkit": {"tenant": "other"}})
+    assert ext2["cached_tokens"] >= len(ids) - len(ids) % 32 - 32
+    other = ask(shuffled, "other", max_tokens=4)  # another tenant: its own order, nothing cached
     assert not other.model_extra["contextkit"]["reordered"] and other.model_extra["contextkit"]["cached_tokens"] == 0
-    stream = via.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                         max_tokens=16, temperature=0, stream=True, extra_body=shuffled)
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == first.choices[0].message.content
-    assert chunks[-1].model_extra["contextkit"]["cached_tokens"] > 0
+    chunks = list(via.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                              extra_body={"documents": shuffled, "contextkit": {"tenant": "acme"}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = chunks[-1].model_extra["contextkit"]
+    assert last["order"] == ["doc0", "doc1", "doc2"] and last["cached_tokens"] > 0
 
 
 def test_bad_requests_get_openai_errors(proxy, clients):
@@ -128,8 +147,10 @@ def test_bad_requests_get_openai_errors(proxy, clients):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     q = [{"role": "user", "content": "q"}]
     cases = [
-        ({"documents": "a string"}, 422, "documents must be a list"),
-        ({"documents": [{"title": "no text"}]}, 422, "non-empty string"),
+        ({"documents": "a string"}, 422, "documents: Input should be a valid list"),
+        ({"documents": [{"title": "no text"}]}, 422, "documents.0.text: Field required"),
+        ({"documents": [{"text": "  "}]}, 422, "non-empty string"),
+        ({"documents": [{"text": "x", "id": "a"}, {"text": "y", "id": "a"}]}, 422, "repeats id"),
         ({"documents": [{"text": "x"}], "surprise": 1}, 422, "unknown fields"),
         ({"documents": [{"text": "x"}], "contextkit": {"tenant": "a/b"}}, 422, "cache_salt"),
         ({"documents": [{"text": "x"}], "contextkit": {"ordering": "random"}}, 422, "ordering"),
@@ -204,12 +225,12 @@ class _DiesMidStream(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config):
+def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config, app_thread):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DiesMidStream)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     try:
-        with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir)) as p:
+        with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir))) as p:
             with httpx.stream("POST", p.url + "/v1/chat/completions", json=q, timeout=30) as r:
                 events = [line for line in r.iter_lines() if line.startswith("data:")]
             assert r.status_code == 200 and '"Hel"' in events[0]  # what came before the failure arrived
@@ -221,30 +242,33 @@ def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config):
         srv.shutdown()
 
 
-def test_upstream_down_failing_and_slow(vllm_url, config):
+def test_upstream_down_failing_and_slow(vllm_url, config, app_thread):
     q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], cache_dir=config.cache_dir)) as p:
+    with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], cache_dir=config.cache_dir))) as p:
         r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(p.url + "/health").status_code == 503
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        with ProxyThread(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir)) as p:
+        with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir))) as p:
             r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
             assert r.status_code == 502 and "answered 500" in r.json()["error"]["message"]
+            docs = {**q, "documents": [{"id": "a", "text": "Paris is in France."}], "contextkit": {"tenant": "t"}}
+            r = httpx.post(p.url + "/v1/chat/completions", json=docs, timeout=30)
+            assert r.status_code == 502
+            (u,) = p.app.state.pool.upstreams
+            assert not u.weaver.tree("t").root.children and u.inflight == 0  # a failed request claims no KV
     finally:
         srv.shutdown()
     slow = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=0.05)
-    with ProxyThread(slow) as p:
+    with app_thread(create_app(slow)) as p:
         r = httpx.post(p.url + "/v1/chat/completions", timeout=60, json={
             "model": "smol", "messages": [{"role": "user", "content": "Tell a long story. " * 200}], "max_tokens": 200})
         assert r.status_code == 504 and "did not answer" in r.json()["error"]["message"]
 
 
-def test_proxy_cli_refuses_bad_settings():
-    from test_cli import cli
-
+def test_proxy_cli_refuses_bad_settings(cli):
     proc = cli("proxy")
     assert proc.returncode == 2 and "upstream" in proc.stderr.lower() and "Traceback" not in proc.stderr
     proc = cli("proxy", "--upstream", "ftp://nowhere:1")
@@ -257,7 +281,7 @@ def test_proxy_process_finishes_in_flight_streams_on_sigterm(vllm_url, config):
     import subprocess
     import sys
 
-    from contextkit.integrations.vllm_server import health
+    from contextkit.integrations.process import health
 
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "contextkit")

@@ -10,40 +10,23 @@ import openai
 import pytest
 
 from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
+from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.serve import create_serve_app
-
-from conftest import REPO
-from test_proxy import ProxyThread
 
 pytestmark = pytest.mark.slow
 
 
-class ServeThread(ProxyThread):
-    def __init__(self, app):
-        import threading
-
-        import uvicorn
-
-        from contextkit.integrations.vllm_server import free_port
-
-        self.port = free_port()
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-
 @pytest.fixture(scope="module")
-def served(config):
+def served(config, app_thread):
     kit = ContextKit(config)
-    with ServeThread(create_serve_app(kit, "smol-local")) as s:
+    with app_thread(create_serve_app(kit, "smol-local")) as s:
         yield s, kit, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
     kit.close()
 
 
-def test_documents_become_spans_reused_by_the_next_request(served):
+def test_documents_become_spans_reused_by_the_next_request(served, repo):
     s, kit, client = served
-    ex = json.loads((REPO / "examples" / "question.json").read_text())
+    ex = json.loads((repo / "examples" / "question.json").read_text())
     docs = ex["documents"]
     msgs = [{"role": "user", "content": ex["question"]}]
     first = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=16, temperature=0,
@@ -56,17 +39,42 @@ def test_documents_become_spans_reused_by_the_next_request(served):
     assert ext2["span_hits"] >= len(docs) and ext2["span_misses"] <= 1  # only the system prefix may be new
     assert again.usage.prompt_tokens_details.cached_tokens == ext2["reused_tokens"] > 0
     # the same answer as the facade gives for the same request and policy
-    want = kit.generate(ex["question"], [Evidence(d["text"], d["title"]) for d in docs[::-1]],
+    want = kit.generate(ex["question"], [Evidence(d["text"], title=d["title"]) for d in docs[::-1]],
                         reuse=ReuseOptions(), params=SamplingParams(max_new_tokens=16))
     assert again.choices[0].message.content == want.text
-    other = kit.generate(ex["question"], [Evidence(d["text"], d["title"]) for d in docs], reuse=ReuseOptions(),
-                         params=SamplingParams(max_new_tokens=2), namespace="another-tenant")
+    other = kit.generate(ex["question"], [Evidence(d["text"], title=d["title"]) for d in docs], reuse=ReuseOptions(),
+                         params=SamplingParams(max_new_tokens=2), tenant="another-tenant")
     assert other.reuse.misses >= len(docs) and other.reuse.hits == 0  # tenants never share span KV
     chunks = list(client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=16, temperature=0,
                                                  stream=True, extra_body={"documents": docs, "contextkit": {
                                                      "reuse": {"policy": "full"}}}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].model_extra["contextkit"]["policy"] == "full"
+
+
+def test_every_entry_point_renders_the_same_tokens(served, vllm_url, config, app_thread):
+    """One planner: a multi-turn conversation with documents renders to the same tokens through the
+    facade, ``contextkit serve`` and the proxy (as vLLM received them), every turn kept."""
+    s, kit, client = served
+    msgs = [{"role": "system", "content": "Answer from the documents."},
+            {"role": "user", "content": "Which tower is in Paris?"},
+            {"role": "assistant", "content": "The Eiffel Tower."},
+            {"role": "user", "content": "Who is it named after?"}]
+    docs = [{"id": "e", "title": "Eiffel Tower", "text": "The tower is named after Gustave Eiffel."},
+            {"id": "p", "title": "Paris", "text": "Paris is the capital of France."}]
+    body = {"messages": msgs, "max_tokens": 2, "temperature": 0, "return_token_ids": True,
+            "documents": docs, "contextkit": {"tenant": "same-tokens"}}
+    served_ids = httpx.post(s.url + "/v1/chat/completions", json={"model": "smol-local", **body},
+                            timeout=120).json()["choices"][0]["prompt_token_ids"]
+    with app_thread(create_app(ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir))) as p:
+        r = httpx.post(p.url + "/v1/chat/completions", json={"model": "smol", **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        proxied_ids = r.json()["choices"][0]["prompt_token_ids"]  # what vLLM itself received
+    request = kit.request(msgs, [Evidence(d["text"], d["id"], d["title"]) for d in docs], tenant="facade-fresh")
+    facade_ids = kit.plan(request).ids
+    assert served_ids == proxied_ids == facade_ids
+    text = kit.tokenizer.decode(facade_ids)
+    assert "Which tower is in Paris?" in text and "The Eiffel Tower." in text and "Gustave Eiffel" in text
 
 
 def test_plain_chat_completions_models_and_metrics(served):

@@ -9,9 +9,10 @@ import threading
 import aiohttp
 import pytest
 
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 from contextkit.integrations.upstreams import UpstreamPool
-from contextkit.ordering.weaver import Doc
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Doc
 
 
 def _docs(ids):
@@ -21,29 +22,48 @@ def _docs(ids):
 def test_documents_follow_the_cache_and_the_rest_goes_to_the_least_loaded():
     pool = UpstreamPool(["http://a:1", "http://b:1"], block_size=32)
     a, b = pool.upstreams
-    first, _ = pool.route(_docs("xyz"), "", reorder=True)
+
+    def serve(ids, tenant=""):
+        """Route, order with the chosen upstream's weaver, record it as accepted (what the proxy does)."""
+        u = pool.route(_docs(ids), Tenant(tenant))
+        if u is None:
+            return None, None
+        result = u.weaver.order(_docs(ids), tenant, record=False)
+        u.weaver.record([_docs(ids)[i] for i in result.order], tenant)
+        return u, result
+
+    first, _ = serve("xyz")
     assert first is a  # nothing cached anywhere: least loaded (ties to the first)
     a.requests += 1
-    other, _ = pool.route(_docs("uvw"), "", reorder=True)
+    other, _ = serve("uvw")
     assert other is b  # a new set: the less loaded one
     b.requests += 1
-    again, result = pool.route(_docs("zxy"), "", reorder=True)
+    again, result = serve("zxy")
     assert again is a and result.reusable_tokens == 192  # the server that holds x,y,z; order restored
     assert [("zxy")[i] for i in result.order] == list("xyz")
     a.inflight = 50  # busy, but the cache still wins for a set it holds
-    assert pool.route(_docs("yxz"), "", reorder=True)[0] is a
-    assert pool.route(_docs("qrs"), "", reorder=True)[0] is b
+    assert pool.route(_docs("yxz"), Tenant()) is a
+    assert pool.route(_docs("qrs"), Tenant()) is b
     assert pool.routing["cache_aware"] == 2
-    t_other, _ = pool.route(_docs("zxy"), "tenant-2", reorder=True)
-    assert t_other is b  # another tenant's cache is not a's: least loaded
+    assert pool.route(_docs("zxy"), Tenant("tenant-2")) is b  # another tenant's cache is not a's: least loaded
     a.healthy = False
-    assert pool.route(_docs("xyz"), "", reorder=True)[0] is b  # out of rotation
+    assert pool.route(_docs("xyz"), Tenant()) is b  # out of rotation
     b.healthy = False
-    assert pool.route(_docs("xyz"), "", reorder=True) == (None, None)
+    assert pool.route(_docs("xyz"), Tenant()) is None
     with pytest.raises(ConfigError):
         UpstreamPool([], 32)
     with pytest.raises(ConfigError):
         UpstreamPool(["localhost:8000"], 32)
+
+
+def test_a_lease_cannot_leak():
+    pool = UpstreamPool(["http://a:1"], block_size=32)
+    (u,) = pool.upstreams
+    with pytest.raises(RuntimeError):
+        with pool.lease(u):
+            assert u.inflight == 1 and u.requests == 1
+            raise RuntimeError("the request failed half-way")
+    assert u.inflight == 0 and u.requests == 1
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

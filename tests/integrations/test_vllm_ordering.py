@@ -5,20 +5,17 @@ isolated by ``cache_salt``, and ``bench ordering`` runs end to end on a replayed
 from __future__ import annotations
 
 import json
-import random
 import uuid
 
 import pytest
 
 from contextkit.bench.ordering import TraceRenderer
-from contextkit.bench.workload import TraceDoc, TraceRequest, write_trace
+from contextkit.bench.workload import write_trace
 from contextkit.integrations.openai_client import CompletionClient
 from contextkit.integrations.vllm_server import served_model
 from contextkit.ordering.weaver import Doc, Weaver
-from contextkit.tokenizer import Tokenizer
+from contextkit.core.tokenizer import Tokenizer
 
-from conftest import REPO, SHARED_DATA
-from test_cli import cli
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -35,27 +32,6 @@ def renderer(smol_dir):
     return TraceRenderer(Tokenizer(smol_dir), BLOCK)
 
 
-def _requests(n_items: int = 3) -> list[TraceRequest]:
-    """Per QA item: its passages in retrieval order, then the same set retrieved in another order."""
-    shared = SHARED_DATA / "multihop_dev.jsonl"
-    if shared.is_file():
-        rows = [json.loads(line) for line in shared.read_text().splitlines()[:n_items]]
-    else:  # a user's clone without the shared data: the bundled example, its documents rotated per item
-        ex = json.loads((REPO / "examples" / "question.json").read_text())
-        docs = ex["documents"]
-        rows = [{"question": ex["question"], "answers": ex.get("answers", []),
-                 "passages": docs[i:] + docs[:i]} for i in range(n_items)]
-    out, rng = [], random.Random(0)
-    for i, r in enumerate(rows):
-        docs = [TraceDoc(f"{i}-{j}", p["title"], p["text"]) for j, p in enumerate(r["passages"][:6])]
-        again = docs[:]
-        while again[0] == docs[0]:
-            rng.shuffle(again)
-        out.append(TraceRequest(f"r{i}a", f"s{i}", "", r["question"], tuple(r["answers"]), tuple(docs)))
-        out.append(TraceRequest(f"r{i}b", f"s{i}", "", "What else do the documents say?", (), tuple(again)))
-    return out
-
-
 def _send(client, renderer, weaver, req, salt):
     lengths = [len(t) for t in renderer.doc_tokens(req)]
     docs = [Doc(d.id, n) for d, n in zip(req.documents, lengths)]
@@ -64,8 +40,8 @@ def _send(client, renderer, weaver, req, salt):
     return client.complete(ids, max_tokens=2, cache_salt=salt), ids
 
 
-def test_reordered_evidence_hits_the_prefix_cache(client, renderer):
-    first, again = _requests(1)
+def test_reordered_evidence_hits_the_prefix_cache(client, renderer, trace_requests):
+    first, again = trace_requests(1)
     salt_w, salt_r = uuid.uuid4().hex, uuid.uuid4().hex
     weaver = Weaver(block_size=BLOCK)
     c1, ids1 = _send(client, renderer, weaver, first, salt_w)
@@ -82,21 +58,24 @@ def test_reordered_evidence_hits_the_prefix_cache(client, renderer):
     assert r2.cached_tokens < prefix_len + 32 < c2.cached_tokens
 
 
-def test_tenants_are_isolated_by_cache_salt(client, renderer):
-    req = _requests(2)[2]
+def test_tenants_are_isolated_by_cache_salt(client, renderer, trace_requests):
+    req = trace_requests(2)[2]
     a, b = uuid.uuid4().hex, uuid.uuid4().hex
     _send(client, renderer, None, req, a)
     assert _send(client, renderer, None, req, a)[0].cached_tokens > 0
     assert _send(client, renderer, None, req, b)[0].cached_tokens == 0  # another tenant: nothing served
 
 
-def test_bench_ordering_replays_a_trace(tmp_path, vllm_url):
+def test_bench_ordering_replays_a_trace(tmp_path, vllm_url, cli, trace_requests):
     trace, out, saved = tmp_path / "trace.jsonl", tmp_path / "ordering.json", tmp_path / "saved.jsonl"
-    write_trace(_requests(3), trace)
+    write_trace(trace_requests(3), trace)
+    # no --n: a replayed trace runs whole, and the bench says how much it used
     proc = cli("bench", "ordering", "--upstream", vllm_url, "--trace", str(trace), "--write-trace", str(saved),
-               "--n", "6", "--json", str(out), "--set", "max_tokens=4", "--set", "tree_sequences=200")
+               "--json", str(out), "--set", "max_tokens=4", "--set", "tree_sequences=200")
     assert proc.returncode == 0, proc.stderr
+    assert "bench ordering used 6 requests" in proc.stdout
     result = json.loads(out.read_text())
+    assert result["summary"]["requests"] == 6 and all(r["requests"] == 6 for r in result["rows"])
     rows = {r["policy"]: r for r in result["rows"]}
     assert set(rows) == {"retrieval", "weaver", "weaver+aligned", "oracle"}
     assert rows["weaver"]["cached_tokens_mean"] > rows["retrieval"]["cached_tokens_mean"]
@@ -108,13 +87,13 @@ def test_bench_ordering_replays_a_trace(tmp_path, vllm_url):
     assert saved.read_text() == trace.read_text()  # the stream replays byte for byte
 
 
-def test_bench_ordering_bad_input(tmp_path, vllm_url):
+def test_bench_ordering_bad_input(tmp_path, vllm_url, cli, trace_requests):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "question": "q", "documents": "not a list"}\n')
     proc = cli("bench", "ordering", "--upstream", vllm_url, "--trace", str(bad), "--n", "1")
     assert proc.returncode == 2 and "bad.jsonl:1" in proc.stderr and "Traceback" not in proc.stderr
     trace = tmp_path / "t.jsonl"
-    write_trace(_requests(1), trace)
+    write_trace(trace_requests(1), trace)
     proc = cli("bench", "ordering", "--upstream", vllm_url, "--trace", str(trace), "--set", "policies=retrieval,random")
     assert proc.returncode == 2 and "unknown policies" in proc.stderr
     proc = cli("bench", "ordering", "--upstream", "http://127.0.0.1:9", "--trace", str(trace), "--n", "1")

@@ -13,11 +13,11 @@ from contextkit.kvstore.entry import make_entry
 @dataclass(frozen=True, slots=True)
 class Key:
     digest: str
-    namespace: str = ""
+    tenant: str = ""
 
 
-def key(name, namespace: str = "") -> Key:
-    return Key(hashlib.sha256(f"{namespace}\x00{name}".encode()).hexdigest(), namespace)
+def key(name, tenant: str = "") -> Key:
+    return Key(hashlib.sha256(f"{tenant}\x00{name}".encode()).hexdigest(), tenant)
 
 
 def entry(k: Key, tokens: int = 64, dtype=torch.bfloat16, seed: int = 0, cost_ms: float = 10.0):

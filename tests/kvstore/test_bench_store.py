@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from test_cli import cli
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_store_small_run(tmp_path, smol_dir, redis_url, lmcache_url):
+def test_bench_store_small_run(tmp_path, smol_dir, redis_url, lmcache_url, cli):
     out = tmp_path / "store.json"
     proc = cli("bench", "store", "--n", "3", "--json", str(out), "--set", "sizes=32,64",
                "--set", f"redis_url={redis_url}", "--set", f"lmcache_url={lmcache_url}")

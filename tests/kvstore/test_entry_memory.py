@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contextkit.kvstore.base import prometheus
-from contextkit.kvstore.entry import CorruptEntryError, decode, encode_bytes
+from prometheus_client import CollectorRegistry, generate_latest
+
+from contextkit.kvstore.metrics import StoreCollector
+from contextkit.kvstore.tiered import TieredStore
+from contextkit.core.errors import CorruptEntryError
+from contextkit.kvstore.entry import decode, encode_bytes
 from contextkit.kvstore.memory import MemoryTier
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 
 from kvhelpers import entry, key, same
 
@@ -33,11 +37,11 @@ def test_every_damage_is_refused():
     for name, bad in cases.items():
         with pytest.raises(CorruptEntryError):
             decode(bad, k)
-        assert name
+        assert decode(data, k).meta.digest == k.digest, name  # the good bytes still decode: only damage fails
     with pytest.raises(CorruptEntryError, match="another key"):
         decode(data, key("b"))
     with pytest.raises(CorruptEntryError, match="another key"):
-        decode(data, key("a", namespace="other-tenant").__class__(k.digest, "other-tenant"))
+        decode(data, key("a", tenant="other-tenant").__class__(k.digest, "other-tenant"))
 
 
 def test_memory_tier_budget_and_lru_at_equal_cost():
@@ -71,7 +75,7 @@ def test_memory_tier_get_returns_the_stored_tensors_and_bad_config_is_refused():
     tier = MemoryTier()
     tier.put(key("z"), e)
     assert tier.get(key("z")).tensors["k"].data_ptr() == e.tensors["k"].data_ptr()  # no copy
-    assert tier.get(key("z", namespace="t2")) is None
+    assert tier.get(key("z", tenant="t2")) is None
     assert tier.delete(key("z")) and not tier.delete(key("z"))
     with pytest.raises(ValueError):
         tier.put(key("y"), e)  # an entry made for another key
@@ -79,13 +83,16 @@ def test_memory_tier_get_returns_the_stored_tensors_and_bad_config_is_refused():
         MemoryTier(0)
 
 
-def test_prometheus_text():
+def test_prometheus_metrics():
     tier = MemoryTier()
     tier.put(key(1), entry(key(1), 8))
     tier.get(key(1))
     tier.get(key(2))
-    text = prometheus({"memory": tier.stats()})
-    assert 'contextkit_kvstore_hits_total{tier="memory"} 1' in text
-    assert 'contextkit_kvstore_misses_total{tier="memory"} 1' in text
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(TieredStore([tier])))
+    text = generate_latest(registry).decode()
+    assert 'contextkit_kvstore_hits_total{tier="memory"} 1.0' in text
+    assert 'contextkit_kvstore_misses_total{tier="memory"} 1.0' in text
     assert "# TYPE contextkit_kvstore_bytes gauge" in text
+    assert registry.get_sample_value("contextkit_kvstore_bytes", {"tier": "memory"}) == tier.stats()["bytes"] > 0
     assert 'contextkit_kvstore_get_latency_ms_p50{tier="memory"}' in text

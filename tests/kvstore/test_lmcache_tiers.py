@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 from contextkit.integrations.services import lmcache_server, redis_server
 from contextkit.integrations.vllm_server import free_port
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig, lmcache_config
@@ -51,13 +51,13 @@ def tiers(tmp_path, redis_url, lmcache_url):
 def test_every_backend_round_trips_bit_exact_and_keeps_tenants_apart(tiers, tmp_path):
     for name, tier in tiers.items():
         for dtype in (torch.bfloat16, torch.float32):
-            k = key(f"{name}-{dtype}", namespace="tenant-a")
+            k = key(f"{name}-{dtype}", tenant="tenant-a")
             e = entry(k, 100, dtype, seed=3)
             tier.put(k, e)
             assert tier.wait_visible(k), name
             assert same(tier.get(k), e), name
-            assert tier.get(key(f"{name}-{dtype}", namespace="tenant-b")) is None  # other tenant: miss
-            assert tier.get(Key(k.digest, "tenant-b")) is None  # same digest, other namespace: miss
+            assert tier.get(key(f"{name}-{dtype}", tenant="tenant-b")) is None  # other tenant: miss
+            assert tier.get(Key(k.digest, "tenant-b")) is None  # same digest, other tenant: miss
         s = tier.stats()
         assert s["hits"] == 2 and s["misses"] >= 4 and s["puts"] == 2 and s["corrupt"] == 0
 

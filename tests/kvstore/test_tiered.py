@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from contextkit.config import KVStoreConfig
-from contextkit.errors import ConfigError
+from contextkit.core.config import KVStoreConfig
+from contextkit.core.errors import ConfigError
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 from contextkit.kvstore.memory import MemoryTier
 from contextkit.kvstore.tiered import TieredStore, build_store
 
 from kvhelpers import entry, key, same
+
+from contextkit.kvstore.metrics import StoreCollector
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,8 @@ def test_promotion_on_hit_and_write_through(tmp_path):
         assert mem.contains(k)  # ...and promoted
         stats = store.stats()
         assert stats["memory"]["puts"] == 2 and stats["disk"]["hits"] == 1
-        assert 'tier="disk"' in store.prometheus()
+        assert any(m.samples and m.samples[0].labels == {"tier": "memory"} for m in StoreCollector(store).collect())
+        assert {s.labels["tier"] for m in StoreCollector(store).collect() for s in m.samples} == {"memory", "disk"}
         assert store.delete(k) and not store.contains(k)
 
 
@@ -53,17 +56,17 @@ def test_build_store_and_bad_config(tmp_path, redis_url):
 SPAN_CHILD = """
 import sys, json, torch
 from pathlib import Path
-from contextkit.config import KVStoreConfig
+from contextkit.core.config import KVStoreConfig
 from contextkit.engine import Engine
 from contextkit.kvstore.tiered import build_store
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.store import KVSpanStore
-from contextkit.types import Span
+from contextkit.core.types import Span
 disk, remote = sys.argv[2] or None, sys.argv[3] or None
 store = KVSpanStore(build_store(KVStoreConfig(disk_dir=disk, remote_url=remote)))
 cache = SpanCache(Engine.from_dir(Path(sys.argv[1])), store=store, tokenizer_fingerprint="t")
 span = Span(tuple(range(1000, 1200)))
-compiled, hit = cache.compiled(span, namespace="acme")
+compiled, hit = cache.compiled(span, tenant="acme")
 for t in store.kv.tiers[1:]:
     assert t.wait_visible(compiled.key)
 print(json.dumps({"hit": hit, "k": compiled.k.float().sum().item(), "stats": store.stats}))

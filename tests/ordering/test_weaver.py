@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from contextkit.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError
 from contextkit.ordering.tree import PrefixTree
 from contextkit.ordering.weaver import MAX_K, Doc, Weaver, oracle, reusable, search
 

@@ -7,16 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from contextkit.engine.generate import SamplingParams, generate
+from contextkit.core.generation import SamplingParams
+from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
-from contextkit.errors import ConfigError, EmptyInputError, PromptTooLongError
-from contextkit.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.prompt import render_segments
+from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
+from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
 from contextkit.spans.store import KVSpanStore
-from contextkit.tokenizer import Tokenizer
-from contextkit.types import Evidence, Span
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Evidence, Span
 
 TOL = 1e-3
 
@@ -27,11 +28,10 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def _plan_items(tok: Tokenizer, passages: list[Evidence], question: str, depend: bool = False) -> tuple[PlanItem, ...]:
-    seg = render_segments(tok, question, passages)
-    items = [PlanItem(Span(seg.prefix, "system"))]
-    for i, d in enumerate(seg.documents, 1):
-        items.append(PlanItem(Span(d), depends_on=tuple(range(i)) if depend else ()))
-    return (*items, PlanItem(Span(seg.suffix, "query"), reuse=False))
+    plan = Planner(tok).plan(ChatRequest.ask(question, passages, ordering="retrieval"))
+    prefix, *docs, query = plan.items
+    items = [prefix, *(PlanItem(d.span, depends_on=tuple(range(i)) if depend else ()) for i, d in enumerate(docs, 1))]
+    return (*items, query)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_recompute_reduces_divergence(smol):
         "first8": ReuseOptions(policy="first_k", first_k=8),
     }.items():
         kl[name] = _kl(full.logits[0], cache.assemble(RequestPlan(items, opts)).logits[0])
-    assert kl["qa30"] < kl["none"] and kl["kv30"] < kl["none"], kl
+    assert kl["qa30"] < kl["none"] and kl["kv30"] < kl["none"] and kl["first8"] < kl["none"], kl
 
 
 def test_reused_keys_equal_span_prefilled_at_its_new_positions(smol):
@@ -154,7 +154,9 @@ def test_keys_separate_models_dtypes_tokenizers_and_tenants(smol, smol_dir):
     span = items[1].span
     entry, _ = cache.compiled(span)
     assert cache.compiled(span)[1]  # hit
-    assert not cache.compiled(span, namespace="tenant-b")[1]  # another tenant: miss, compiled anew
+    assert not cache.compiled(span, tenant="tenant-b")[1]  # another tenant: miss, compiled anew
+    with pytest.raises(InputError, match="cache_salt"):  # the KV path checks the tenant too
+        cache.compiled(span, tenant="a/b")
     other = SpanCache(Engine.from_dir(smol_dir, "bfloat16"), store=cache.store, tokenizer_fingerprint="x")
     assert span_key(other.identity, span.token_ids) != entry.key
     assert not other.compiled(span)[1]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contextkit.errors import KVCacheError
+from contextkit.core.errors import KVCacheError
 
 Attend = Mapping[int, Collection[int]]
 

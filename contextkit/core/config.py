@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 
 DEFAULT_CACHE_DIR = Path("~/.cache/contextkit")
 

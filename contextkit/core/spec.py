@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contextkit.errors import UnsupportedModelError
+from contextkit.core.errors import UnsupportedModelError
 from contextkit.kernels.rope import RopeSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma3")

@@ -10,24 +10,21 @@ D = head dim.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.kvcache import Attend, KVCache, attention_mask, causal_mask
-from contextkit.engine.spec import ModelSpec, load_spec
+from contextkit.core.engine import AttentionProbe, LogitsSelect, ModelFingerprint
+from contextkit.core.errors import ConfigError, KVCacheError, PromptTooLongError
+from contextkit.core.kvcache import Attend, KVCache, attention_mask, causal_mask
+from contextkit.core.models import weights_digest
+from contextkit.core.spec import ModelSpec, load_spec
 from contextkit.engine.weights import Weights, load_weights
-from contextkit.errors import ConfigError, KVCacheError, PromptTooLongError
 from contextkit.kernels.rope import RopeSpec, apply_rope, cos_sin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LogitsSelect = Literal["last", "all", "none"] | torch.Tensor
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -38,38 +35,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass(frozen=True, slots=True)
-class ModelFingerprint:
-    """Identifies the weights and architecture: part of every span key."""
-
-    model_type: str
-    digest: str  # sha256 over config.json and the weight files' names and sizes, hex
-
-
-def _fingerprint(model_dir: Path, spec: ModelSpec) -> ModelFingerprint:
-    manifest = model_dir / "contextkit.json"
-    h = hashlib.sha256()
-    if manifest.is_file():  # prepared by contextkit: the source GGUF's sha256 identifies the weights
-        h.update(json.loads(manifest.read_text()).get("source_sha256", "").encode())
-    h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return ModelFingerprint(spec.model_type, h.hexdigest())
-
-
-class AttentionProbe(Protocol):
-    """Sees the queries and keys of chosen layers during a forward (e.g. to score tokens by attention)."""
-
-    layers: Collection[int]
-
-    def observe(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float
-    ) -> None:
-        """q (H, rows, D) rotated; k (Hkv, T, D) the whole cache; mask (rows, T) bool or None = all visible."""
-
-
 class Engine:
-    """A loaded model. Stateless across calls: all sequence state lives in the KVCache passed in."""
+    """A loaded model. Stateless across calls: all sequence state lives in the KVCache passed in.
+
+    The one implementation of ``contextkit.core.engine.KVEngine`` (what the span cache talks to)."""
 
     def __init__(self, spec: ModelSpec, weights: Weights, dtype: torch.dtype, fingerprint: ModelFingerprint):
         self.spec = spec
@@ -83,7 +52,8 @@ class Engine:
         model_dir = Path(model_dir)
         spec = load_spec(model_dir)
         torch_dtype = parse_dtype(dtype)
-        return cls(spec, load_weights(model_dir, spec, torch_dtype), torch_dtype, _fingerprint(model_dir, spec))
+        fingerprint = ModelFingerprint(spec.model_type, weights_digest(model_dir))
+        return cls(spec, load_weights(model_dir, spec, torch_dtype), torch_dtype, fingerprint)
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for up to ``capacity`` tokens, in this engine's dtype."""

@@ -9,57 +9,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 
-from contextkit.engine.kvcache import KVCache
-from contextkit.engine.model import Engine
-from contextkit.errors import ConfigError, EmptyInputError, KVCacheError, PromptTooLongError
-from contextkit.plan import ReuseReport
+from contextkit.core.engine import KVEngine
+from contextkit.core.errors import EmptyInputError, KVCacheError, PromptTooLongError
+from contextkit.core.generation import Generation, SamplingParams
+from contextkit.core.kvcache import KVCache
 
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy (deterministic)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no top-k cut
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS tokens
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ConfigError("stop strings must be non-empty")
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """The result of one request on the built-in engine."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: Literal["stop", "length"]
-    prompt_tokens: int
-    prefill_ms: float  # time to first token: prefill + first sample
-    decode_ms_per_token: float  # mean over tokens after the first (0 if only one)
-    reuse: ReuseReport | None = None  # what span reuse did, when the prompt was assembled from spans
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -87,7 +48,7 @@ class Stream:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: KVEngine,
         tokenizer: Detokenizer,
         prompt_ids: Sequence[int],
         params: SamplingParams = SamplingParams(),
@@ -103,7 +64,6 @@ class Stream:
                     f"{params.max_new_tokens}; assemble with more extra capacity"
                 )
         self.first_logits = first_logits
-        self.report: ReuseReport | None = None  # set by callers that assembled the prompt from spans
         if len(prompt_ids) == 0:
             raise EmptyInputError("the prompt is empty; pass at least one token")
         need = len(prompt_ids) + params.max_new_tokens
@@ -164,11 +124,9 @@ class Stream:
             token_ids=tuple(out),
             finish_reason=finish,
             prompt_tokens=len(self.prompt_ids),
-            prefill_ms=(t_first - t0) * 1e3 + (self.report.total_ms if self.report else 0.0),
+            prefill_ms=(t_first - t0) * 1e3,
             decode_ms_per_token=(t_end - t_first) * 1e3 / steps if steps else 0.0,
-            reuse=self.report,
         )
-
 
     def finish(self) -> Generation:
         """Run to the end (discarding deltas) and return the Generation."""
@@ -184,7 +142,7 @@ def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
 
 
 def generate(
-    engine: Engine,
+    engine: KVEngine,
     tokenizer: Detokenizer,
     prompt_ids: Sequence[int],
     params: SamplingParams = SamplingParams(),

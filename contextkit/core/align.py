@@ -5,7 +5,7 @@ the end of one document and the start of the next is reusable only when both nei
 the prompt's fixed prefix and every document to a multiple of the block size puts every document
 boundary on a block boundary, so a document's blocks depend only on the documents before it, at the cost
 of the pad tokens (which the engine prefills and the model reads: an unmodified vLLM cannot mask them).
-``contextkit bench ordering`` measures whether that pays.
+``contextkit bench ordering`` measures whether that pays. The planner applies it (``ChatRequest.block_align``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contextkit.errors import ConfigError
+from contextkit.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from contextkit.engine.spec import ModelSpec
-from contextkit.errors import CorruptModelError
+from contextkit.core.spec import ModelSpec
+from contextkit.core.errors import CorruptModelError
 
 
 @dataclass(frozen=True, slots=True)

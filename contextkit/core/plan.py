@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from contextkit.errors import ConfigError, EmptyInputError
-from contextkit.types import Span
+from contextkit.core.errors import ConfigError, EmptyInputError
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Doc, Span
 
 Policy = Literal["none", "kv_deviation", "query_attention", "first_k", "full"]
 POLICIES: tuple[str, ...] = ("none", "kv_deviation", "query_attention", "first_k", "full")
@@ -91,8 +92,33 @@ class ReuseOptions:
 
 @dataclass(frozen=True, slots=True)
 class RequestPlan:
+    """A request ready to run: its spans in order, what may be reused, and how it was planned.
+
+    Made by ``contextkit.core.planner.Planner`` for every entry point (or by hand, for the span cache
+    alone). The prompt path sends ``ids`` to the engine as they are; the KV path assembles ``items``.
+
+    Attributes:
+        items: the spans in order; the last one is the query (computed in context).
+        options: the reuse the request allows on the KV path; None: none (a plain prefill of ``ids``).
+        tenant: whose cached state the request may use.
+        order: the documents in served order, as indices into the request's documents.
+        document_ids: the ids of the documents, in served order.
+        served: the documents in served order as an orderer records them (id, rendered tokens).
+        expected_cached_tokens: the orderer's estimate of the prefix an engine already holds (None:
+            not ordered by a prefix tree).
+        padding_tokens: pad tokens inside ``items`` (prompt-path block alignment).
+        max_new_tokens: the tokens the request may generate (counted in the length check).
+    """
+
     items: tuple[PlanItem, ...]
-    options: ReuseOptions = field(default_factory=ReuseOptions)
+    options: ReuseOptions | None = field(default_factory=ReuseOptions)
+    tenant: Tenant = field(default_factory=Tenant)
+    order: tuple[int, ...] = ()
+    document_ids: tuple[str, ...] = ()
+    served: tuple[Doc, ...] = ()
+    expected_cached_tokens: int | None = None
+    padding_tokens: int = 0
+    max_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.items:
@@ -108,6 +134,15 @@ class RequestPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(it.span.token_ids) for it in self.items)
+
+    @property
+    def ids(self) -> list[int]:
+        """The whole prompt: every item's tokens in order (what the prompt path sends)."""
+        return [t for it in self.items for t in it.span.token_ids]
+
+    @property
+    def reordered(self) -> bool:
+        return self.order != tuple(range(len(self.order)))
 
 
 @dataclass(frozen=True, slots=True)

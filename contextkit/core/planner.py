@@ -1,0 +1,225 @@
+"""The one planner: every entry point turns a request into a ``RequestPlan`` here.
+
+The facade (``ContextKit``), ``contextkit serve`` and ``contextkit proxy`` all call ``Planner.plan``, so
+a request renders to the same tokens on every path (a test holds them to it):
+
+    ChatRequest -> frame (chat template before / after the documents, every turn kept)
+                -> one separately tokenized block per document (same tokens in any request)
+                -> order (an ``Orderer``, the Weaver, or retrieval order) -> block alignment (prompt path)
+                -> length check -> RequestPlan (spans, reuse options, tenant, order, ids, padding)
+
+Ordering is asked without recording: the caller records the served order (``Orderer.record``) once the
+engine has accepted the request, so a refused request never claims KV the engine does not hold.
+Rendered tokens are cached by content in LRU caches bounded by bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from cachetools import LRUCache
+
+from contextkit.core.align import align
+from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
+from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, render_document, render_frame
+from contextkit.core.tenant import Tenant
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Doc, Evidence, Message, OrderResult, Span
+
+Ordering = Literal["weaver", "retrieval"]
+ORDERINGS: tuple[str, ...] = ("weaver", "retrieval")
+MAX_DOCUMENTS = 1024  # per request; beyond this a request is certainly malformed
+
+
+class Orderer(Protocol):
+    """Orders a request's documents for an engine's prefix cache (``contextkit.ordering.Weaver``)."""
+
+    def order(self, docs: Sequence[Doc], tenant: Tenant = ..., record: bool = True) -> OrderResult: ...
+
+    def record(self, docs: Sequence[Doc], tenant: Tenant = ...) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A request as every entry point hands it to the planner.
+
+    Attributes:
+        messages: the chat turns, all kept; the last user message is the question.
+        documents: retrieved evidence, in retrieval order.
+        tenant: whose cached state the request may use.
+        ordering: ``weaver`` (most reusable order for the tenant's history) or ``retrieval`` (as given).
+        block_align: pad the prefix and each document to the orderer's block size (prompt path).
+        reuse: the span reuse the request allows on the KV path (None: a plain prefill).
+        max_new_tokens: tokens it may generate (the length check counts them).
+        default_system: the system message used when a request with documents brings none ("" = none).
+    """
+
+    messages: tuple[Message, ...]
+    documents: tuple[Evidence, ...] = ()
+    tenant: Tenant = field(default_factory=Tenant)
+    ordering: Ordering = "weaver"
+    block_align: bool = False
+    reuse: ReuseOptions | None = None
+    max_new_tokens: int = 16
+    default_system: str = DEFAULT_SYSTEM
+
+    def __post_init__(self) -> None:
+        if not any(m.role == "user" for m in self.messages):
+            raise InputError("messages need a user message (the question)", "messages")
+        if self.ordering not in ORDERINGS:
+            raise InputError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}", "contextkit")
+        if len(self.documents) > MAX_DOCUMENTS:
+            raise InputError(f"{len(self.documents)} documents in one request; at most {MAX_DOCUMENTS}", "documents")
+        if any(MARK in m.content for m in self.messages):
+            raise InputError("a message contains contextkit's internal marker (NUL characters); remove them",
+                             "messages")
+
+    @classmethod
+    def ask(
+        cls, question: str, documents: Sequence[Evidence | str] = (), system: str | None = None, **kw
+    ) -> ChatRequest:
+        """A one-question request: ``system`` None uses the default RAG system prompt, "" none."""
+        if not question or not question.strip():
+            raise EmptyInputError("the question is empty; pass a question (--question or \"question\" in the JSON)")
+        docs = tuple(d if isinstance(d, Evidence) else Evidence(text=d) for d in documents)
+        msgs = ((Message("system", system),) if system else ()) + (Message("user", question),)
+        return cls(msgs, docs, default_system=DEFAULT_SYSTEM if system is None else "", **kw)
+
+
+def _content_digest(doc: Evidence) -> str:
+    return hashlib.sha256(f"{doc.title or ''}\x00{doc.text}".encode()).hexdigest()
+
+
+def content_id(doc: Evidence) -> str:
+    """A document's id from its content (title and text), for documents sent without one."""
+    return _content_digest(doc)[:16]
+
+
+def _ids_bytes(value: tuple) -> int:
+    """Approximate bytes a cached token tuple holds (tuple slots + small ints), for the LRU bound."""
+    if value and isinstance(value[0], tuple):  # a frame: (prefix, suffix)
+        return sum(_ids_bytes(v) for v in value) + 56
+    return 56 + 8 * len(value)
+
+
+class Planner:
+    """Renders requests for one tokenizer (one model). Thread-safe.
+
+    Args:
+        tokenizer: the model's tokenizer (the engine's, or the upstream vLLM's model).
+        block_size: the engine's KV block size (prompt-path alignment; 1 = none).
+        context_limit: the model's context in tokens, checked by every plan unless a call passes its own.
+        cache_bytes: bound of the rendered-token caches (documents and chat frames), in bytes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, block_size: int = 1, context_limit: int | None = None,
+                 cache_bytes: int = 64 << 20):
+        if block_size < 1:
+            raise InputError(f"block_size must be >= 1, got {block_size}")
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.context_limit = context_limit
+        self.pad_id = tokenizer.encode("\n")[-1]  # a blank line: the least intrusive filler we can send
+        self._docs: LRUCache = LRUCache(cache_bytes // 2, getsizeof=_ids_bytes)
+        self._frames: LRUCache = LRUCache(cache_bytes // 2, getsizeof=_ids_bytes)
+        self._lock = threading.Lock()
+
+    def document_tokens(self, doc: Evidence) -> tuple[int, ...]:
+        """The document's block of tokens, cached by content (a client may reuse an id for other text)."""
+        key = _content_digest(doc)
+        with self._lock:
+            ids = self._docs.get(key)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(render_document(doc)))
+            with self._lock:
+                self._docs[key] = ids
+        return ids
+
+    def frame(self, request: ChatRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Prefix and suffix ids around the documents; cached per conversation."""
+        msgs = list(request.messages)
+        with_docs = bool(request.documents)
+        if with_docs and request.default_system and not any(m.role == "system" for m in msgs):
+            msgs.insert(0, Message("system", request.default_system))
+        key = json.dumps([with_docs, [(m.role, m.content) for m in msgs]])
+        with self._lock:
+            got = self._frames.get(key)
+        if got is None:
+            head, tail = render_frame(self.tokenizer, msgs, with_docs)
+            got = (tuple(head), tuple(tail))
+            with self._lock:
+                self._frames[key] = got
+        return got
+
+    def docs(self, request: ChatRequest) -> tuple[Doc, ...]:
+        """The request's documents as an orderer sees them: id and rendered length (rounded up to the
+        block size when the request is block-aligned)."""
+        out, seen = [], set()
+        bs = self.block_size if request.block_align else 1
+        for i, d in enumerate(request.documents):
+            if not d.text or not d.text.strip():
+                raise EmptyInputError(f"document {i + 1} (documents[{i}]) has no text; remove it or give it content",
+                                      "documents")
+            did = d.id or content_id(d)
+            if did in seen:
+                raise InputError(f"documents[{i}] repeats id {did!r}; send each document once", "documents")
+            seen.add(did)
+            n = len(self.document_tokens(d))
+            out.append(Doc(did, n + (-n % bs)))
+        return tuple(out)
+
+    def plan(self, request: ChatRequest, orderer: Orderer | None = None,
+             context_limit: int | None = None) -> RequestPlan:
+        """The request's plan: spans in served order, the length checked against ``context_limit``
+        (else the planner's). Nothing is recorded in ``orderer``."""
+        docs = self.docs(request)
+        result = None
+        if orderer is not None and request.ordering == "weaver" and docs:
+            result = orderer.order(docs, request.tenant, record=False)
+        order = result.order if result is not None else tuple(range(len(docs)))
+        head, tail = self.frame(request)
+        blocks = [self.document_tokens(request.documents[i]) for i in order]
+        padding = 0
+        if request.block_align and self.block_size > 1:
+            aligned = align(head, blocks, self.block_size, self.pad_id)
+            head, blocks, padding = aligned.prefix, aligned.documents, aligned.padding
+        if not tail:  # a chat without documents: the whole prompt is the query, computed as it is
+            items: tuple[PlanItem, ...] = (PlanItem(Span(head, "query"), reuse=False),)
+        else:
+            items = (
+                *((PlanItem(Span(head, "system")),) if head else ()),
+                *(PlanItem(Span(b, "document", docs[i].id)) for b, i in zip(blocks, order)),
+                PlanItem(Span(tail, "query"), reuse=False),
+            )
+        plan = RequestPlan(
+            items, request.reuse, request.tenant, order, tuple(docs[i].id for i in order),
+            tuple(docs[i] for i in order), result.reusable_tokens if result is not None else None, padding,
+            request.max_new_tokens,
+        )
+        self.check_length(plan, context_limit)
+        return plan
+
+    def plan_prompt(self, prompt: str | Sequence[int], tenant: Tenant = Tenant(), max_new_tokens: int = 16,
+                    context_limit: int | None = None) -> RequestPlan:
+        """A completion prompt (text, tokenized with the model's special tokens, or token ids) as a plan."""
+        ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt)
+        if not ids:
+            raise EmptyInputError("the prompt is empty", "prompt")
+        plan = RequestPlan((PlanItem(Span(ids, "query"), reuse=False),), None, tenant, max_new_tokens=max_new_tokens)
+        self.check_length(plan, context_limit)
+        return plan
+
+    def check_length(self, plan: RequestPlan, context_limit: int | None = None) -> None:
+        limit = context_limit or self.context_limit
+        if limit and plan.num_tokens + plan.max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"the rendered prompt is {plan.num_tokens} tokens plus {plan.max_new_tokens} to generate, over "
+                f"the model's context of {limit}; send fewer or shorter documents or lower max_tokens",
+                "documents" if plan.document_ids else "messages",
+            )

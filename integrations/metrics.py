@@ -1,0 +1,41 @@
+"""Server metrics on ``prometheus-client``: one registry per server, fixed label sets.
+
+A route label is the route's template from a fixed list, never the raw path: a client sending
+arbitrary paths can neither grow metric memory nor write lines into ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/tokenize", "/detokenize",
+          "/version", "/health", "/metrics", "chat_documents")
+OTHER = "other"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def route_label(path: str) -> str:
+    """``path`` if it is a known route template, else ``other``."""
+    return path if path in ROUTES else OTHER
+
+
+class ServerMetrics:
+    """Requests by route and status, and time to first token, under ``prefix`` in a registry of its own."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter(f"{prefix}_requests", "requests answered, by route and status",
+                                ("route", "status"), registry=self.registry)
+        self.ttft = Histogram(f"{prefix}_ttft_seconds", "time to the first token (or byte) of the answer",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.labels(route_label(route), str(status)).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

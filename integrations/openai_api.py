@@ -1,0 +1,311 @@
+"""The OpenAI API shapes shared by ``contextkit serve`` and ``contextkit proxy`` (pydantic models).
+
+Requests: a chat completion may carry ``documents`` (vLLM's field: ``{"title", "text"}``, optionally
+``"id"``) and ``contextkit`` options (``ordering``: ``weaver`` | ``retrieval``, ``tenant``,
+``block_align``; on serve also ``reuse``: the fields of ``ReuseOptions``). ``parse_chat`` checks such a
+body and turns it into the planner's ``ChatRequest``; every problem is an ``InputError`` naming the field.
+Responses: chat completions, chunks and text completions, with our ``contextkit`` extension field.
+Errors: OpenAI error objects, the status decided by ``contextkit.core.errors.http_status``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from contextkit.core.errors import ConfigError, InputError, MalformedBodyError, http_status
+from contextkit.core.generation import SamplingParams
+from contextkit.core.plan import ReuseOptions
+from contextkit.core.planner import ChatRequest
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import ROLES, Evidence, Message
+
+# chat fields a documents request may carry and the proxy forwards to /v1/completions as they are
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "stream", "stream_options", "user", "logit_bias")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)  # name, tool_calls, ...: accepted, not rendered
+
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text: OpenAI content parts are joined (only text parts are supported)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for p in self.content:
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise InputError("only text content parts are supported ({\"type\": \"text\", \"text\": ...})",
+                                 "messages")
+            parts.append(p["text"])
+        return "".join(parts)
+
+
+class DocumentIn(_Strict):
+    text: str = Field(min_length=1)
+    title: str | None = None
+    id: str | int | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a non-empty string")
+        return v
+
+
+class ContextkitOptions(_Strict):
+    ordering: Literal["weaver", "retrieval"] = "weaver"
+    tenant: str = ""
+    block_align: bool = False
+    reuse: dict[str, Any] | None = None  # serve only: ReuseOptions fields
+
+
+class _Sampling(BaseModel):
+    """The sampling fields of chat and text completions (vLLM's names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool | None = None  # vLLM's name: the response carries the prompt's token ids
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_tokens or self.max_completion_tokens
+
+    def sampling(self, default_max_tokens: int = 256) -> SamplingParams:
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        try:
+            return SamplingParams(
+                max_new_tokens=self.new_tokens or default_max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=self.seed, stop=stop,
+            )  # fmt: skip
+        except ConfigError as exc:
+            raise InputError(f"sampling parameters: {exc}") from exc
+
+
+class ChatBody(_Sampling):
+    """A chat completion request. Unknown fields are refused when it carries documents (they could not
+    be forwarded faithfully as a completion); plain chat passes through the proxy untouched."""
+
+    messages: list[MessageIn] = Field(min_length=1)
+    documents: list[DocumentIn] | None = None
+    contextkit: ContextkitOptions | None = None
+
+
+class CompletionBody(_Sampling):
+    """A text completion request (``contextkit serve``; the proxy passes these through)."""
+
+    prompt: str | list[int] = Field(min_length=1)
+
+
+def validate(model: type[BaseModel], body: dict) -> Any:
+    """``body`` as ``model``, or an ``InputError`` naming the first field to fix."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def json_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or a ``MalformedBodyError`` (400)."""
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
+        where = f" ({exc.msg} at position {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise MalformedBodyError(f"request body is not valid JSON{where}") from exc
+    if not isinstance(body, dict):
+        raise MalformedBodyError("request body must be a JSON object")
+    return body
+
+
+def _validation_error(exc: ValidationError) -> InputError:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    param = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == "extra_forbidden":
+        known = sorted(ChatBody.model_fields) if len(err["loc"]) == 1 else None
+        hint = f"; accepted: {known}" if known else ""
+        return InputError(f"unknown fields [{loc!r}] in a documents request{hint}", param)
+    return InputError(f"{loc}: {err['msg']}", param)
+
+
+def reuse_options(fields: dict[str, Any] | None) -> ReuseOptions:
+    """``contextkit.reuse`` as ReuseOptions (the request's KV-path reuse)."""
+    if not fields:
+        return ReuseOptions()
+    try:
+        return ReuseOptions(**fields)
+    except TypeError as exc:
+        known = sorted(ReuseOptions.__dataclass_fields__)
+        raise InputError(f"contextkit.reuse has unknown fields; known: {known} ({exc})", "contextkit") from exc
+    except ConfigError as exc:
+        raise InputError(f"contextkit.reuse: {exc}", "contextkit") from exc
+
+
+def parse_chat(body: dict, *, allow_reuse: bool = False, default_max_tokens: int = 16) -> tuple[ChatBody, ChatRequest]:
+    """A chat body checked and turned into the planner's request (tenant, ordering, reuse and all)."""
+    chat: ChatBody = validate(ChatBody, body)
+    opts = chat.contextkit or ContextkitOptions()
+    if opts.reuse is not None and not allow_reuse:
+        raise InputError("contextkit.reuse applies to contextkit serve (the KV path); the proxy sends prompts",
+                         "contextkit")
+    messages = tuple(Message(m.role, m.text()) for m in chat.messages)
+    docs = tuple(Evidence(d.text, None if d.id is None else str(d.id), d.title) for d in chat.documents or ())
+    try:
+        tenant = Tenant(opts.tenant)
+    except InputError as exc:
+        raise InputError(f"contextkit.tenant: {exc}", "contextkit") from None
+    # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
+    reuse = reuse_options(opts.reuse) if allow_reuse and (docs or opts.reuse is not None) else None
+    request = ChatRequest(messages, docs, tenant, opts.ordering, opts.block_align, reuse,
+                          chat.new_tokens or default_max_tokens)
+    return chat, request
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+
+def error_body(status_or_exc: int | BaseException, message: str | None = None, param: str | None = None) -> dict:
+    """An OpenAI error object for a status (or an exception, whose status ``http_status`` decides)."""
+    if isinstance(status_or_exc, BaseException):
+        exc = status_or_exc
+        status, message = http_status(exc), message or str(exc)
+        param = param or getattr(exc, "param", None)
+    else:
+        status = status_or_exc
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+            502: "upstream_error", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")  # fmt: skip
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class _Out(BaseModel):
+    # responses carry vLLM's extra fields (prompt_token_ids) where it sends them
+    model_config = ConfigDict(extra="allow")
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class TextChoice(_Out):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChunkChoice(_Out):
+    index: int = 0
+    delta: dict[str, str]
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(_Out):
+    """A ``chat.completion``, ``chat.completion.chunk`` or ``text_completion`` object, with our
+    ``contextkit`` extension field when there is one."""
+
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str | None = None
+    choices: list[ChatChoice | TextChoice | ChunkChoice]
+    usage: dict[str, Any] | None = None  # ours (``usage()``) or the upstream's, as it sent it
+    contextkit: dict[str, Any] | None = None
+
+    def dump(self) -> dict:
+        out = self.model_dump(mode="json")
+        for optional in ("usage", "contextkit"):
+            if out[optional] is None:
+                del out[optional]
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details={"cached_tokens": cached_tokens}).model_dump()
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def _created(created: int | None) -> dict:
+    return {} if created is None else {"created": created}
+
+
+def completion(rid: str, model: str | None, chat: bool, choices: list[tuple[int, str, str | None, dict]],
+               use: dict | None, extension: dict | None = None, created: int | None = None) -> dict:
+    """A whole ``chat.completion`` (or ``text_completion``) response; ``choices`` = (index, text, finish
+    reason, extra fields of the choice)."""
+    if chat:
+        out = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=f, **extra)
+               for i, text, f, extra in choices]
+    else:
+        out = [TextChoice(index=i, text=text, finish_reason=f, **extra) for i, text, f, extra in choices]
+    return Completion(id=rid, object="chat.completion" if chat else "text_completion", model=model, choices=out,
+                      usage=use, contextkit=extension, **_created(created)).dump()
+
+
+def chunk(rid: str, model: str | None, chat: bool, deltas: list[tuple[int, str, bool, str | None]],
+          created: int | None = None, use: dict | None = None, extension: dict | None = None) -> dict:
+    """One streamed chunk; ``deltas`` = (choice index, text, first delta of that choice, finish reason)."""
+    choices: list = []
+    for i, text, first, finish in deltas:
+        if chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or not finish else {})
+            choices.append(ChunkChoice(index=i, delta=delta, finish_reason=finish))
+        else:
+            choices.append(TextChoice(index=i, text=text, finish_reason=finish))
+    return Completion(id=rid, object="chat.completion.chunk" if chat else "text_completion", model=model,
+                      choices=choices, usage=use, contextkit=extension, **_created(created)).dump()
+
+
+def sse(obj: dict | str) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n"

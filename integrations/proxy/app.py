@@ -1,0 +1,208 @@
+"""The proxy's ASGI application: routing, metrics, the access log, and ``serve``.
+
+Every endpoint the upstream serves passes through unchanged (everything under ``/v1/``: models,
+completions, chat completions with and without ``stream``; ``/tokenize``, ``/detokenize``, ``/version``)
+on the raw relay (``relay.Upstreams.passthrough``: no framework work per chunk, which is what the
+proxy's latency under 64 streams was made of). A chat request carrying ``documents`` or ``contextkit``
+goes to the documents route (``documents.py``). ``/health`` and ``/metrics`` are ours; any other path is
+an OpenAI 404. Errors are OpenAI error objects with the status ``contextkit.core.errors.http_status``
+gives: 400/413/422 for the request, 502 (upstream failed), 503 (no upstream), 504 (upstream too slow).
+
+The access log is one JSON line per request: the client's ``x-request-id``, status, and where the time
+went: ``proxy_ms`` (arrival to forwarding upstream: ours), ``upstream_ttft_ms`` (forwarding to the
+upstream's first body bytes: the server's), ``ms_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from types import SimpleNamespace
+
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from contextkit.core.errors import ContextKitError, http_status
+from contextkit.core.models import resolve_model_dir
+from contextkit.core.planner import Planner
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics, route_label
+from contextkit.integrations.openai_api import error_body, json_body
+from contextkit.integrations.proxy.documents import documents
+from contextkit.integrations.proxy.relay import ClientGone, Upstreams, describe, read_body, send_json
+from contextkit.integrations.proxy.settings import ProxySettings
+from contextkit.integrations.upstreams import UpstreamPool
+
+log = logging.getLogger("contextkit.proxy")
+
+
+class ProxyMetrics(ServerMetrics):
+    """Requests and TTFT, plus prompt tokens served from the upstreams' caches and reorder decisions."""
+
+    def __init__(self):
+        super().__init__("contextkit_proxy")
+        self.prompt_tokens = Counter("contextkit_proxy_prompt_tokens", "prompt tokens of documents requests",
+                                     registry=self.registry)
+        self.cached_tokens = Counter("contextkit_proxy_cached_prompt_tokens",
+                                     "prompt tokens the upstream served from its prefix cache", registry=self.registry)
+        self.reorders = Counter("contextkit_proxy_reorder_decisions", "documents requests reordered or kept",
+                                ("decision",), registry=self.registry)
+
+    def usage(self, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens.inc(int(usage.get("prompt_tokens") or 0))
+            self.cached_tokens.inc(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+
+
+class PoolCollector:
+    """The upstream pool's state, read at scrape time: routing decisions, health, requests in flight."""
+
+    def __init__(self, pool: UpstreamPool):
+        self.pool = pool
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        routing = CounterMetricFamily("contextkit_proxy_routing_decisions", "documents requests routed, by rule",
+                                      labels=["rule"])
+        for rule, n in self.pool.routing.items():
+            routing.add_metric([rule], n)
+        healthy = GaugeMetricFamily("contextkit_proxy_upstream_healthy", "1 if in rotation", labels=["upstream"])
+        inflight = GaugeMetricFamily("contextkit_proxy_upstream_inflight", "requests in flight", labels=["upstream"])
+        for u in self.pool.upstreams:
+            healthy.add_metric([u.url], int(u.healthy))
+            inflight.add_metric([u.url], u.inflight)
+        yield from (routing, healthy, inflight)
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, event (a dict logged as it is, or the message)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = record.msg if isinstance(record.msg, dict) and not record.args else record.getMessage()
+        return json.dumps({"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                           "event": event})
+
+
+class ProxyApp:
+    """The ASGI application (``uvicorn`` serves it; tests run it in a thread)."""
+
+    OURS = ("/health", "/metrics")
+    UPSTREAM = ("/v1/", "/tokenize", "/detokenize", "/version")
+
+    def __init__(self, settings: ProxySettings):
+        self.settings = settings
+        self.metrics = ProxyMetrics()
+        self.upstreams = Upstreams(settings, self.metrics)
+        self.metrics.registry.register(PoolCollector(self.upstreams.pool))
+        self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings)
+        self._planner: Planner | None = None
+        self._watcher: asyncio.Task | None = None
+
+    def planner(self) -> Planner:
+        """The planner on the upstream model's tokenizer (loaded on the first documents request)."""
+        if self._planner is None:
+            s = self.settings
+            tokenizer = Tokenizer(resolve_model_dir(s.model, s.cache_dir))
+            self._planner = Planner(tokenizer, block_size=s.block_size)
+        return self._planner
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.lifespan(receive, send)
+        if scope["type"] != "http":
+            return None
+        t = scope.setdefault("state", {})
+        t["t0"] = time.perf_counter()
+        route = scope["path"]
+        try:
+            await self.handle(scope, receive, send, t)
+        except ClientGone:
+            t.setdefault("status", 499)
+        except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error, whatever it was
+            if not isinstance(exc, ContextKitError):
+                log.exception("proxy error")
+            if "status" not in t:  # nothing sent yet
+                await send_json(send, t, http_status(exc), error_body(exc, message=_message(exc)))
+            elif http_status(exc) >= 500:
+                log.warning({"route": route, "error": describe(exc)})
+        finally:
+            if t.get("documents"):
+                route = "chat_documents"
+            self.metrics.request(route, t.get("status", 0))
+            self.log(scope, t)
+
+    async def handle(self, scope, receive, send, t: dict) -> None:
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            if self.upstreams.pool.healthy():
+                return await send_json(send, t, 200, {"status": "ok"})
+            return await send_json(send, t, 503, error_body(503, "no healthy upstream"))
+        if path == "/metrics":
+            body = self.metrics.text()
+            t["status"] = 200
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE.encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        if not path.startswith(self.UPSTREAM):
+            return await send_json(send, t, 404, error_body(
+                404, f"{method} {path}: not found; the proxy serves the upstream's /v1/* routes, /tokenize, "
+                     "/detokenize, /version, /health and /metrics"))
+        body = None
+        if method in ("POST", "PUT", "PATCH"):
+            kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
+            body = await read_body(receive, self.settings.max_body_bytes)
+            # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
+            # (multipart audio uploads, ...) go as they are
+            parsed = json_body(body) if kind.startswith(b"application/json") else {}
+            if path == "/v1/chat/completions" and ("documents" in parsed or "contextkit" in parsed):
+                t["documents"] = True
+                return await documents(self.upstreams, self.planner(), scope, receive, send, parsed, t)
+        await self.upstreams.passthrough(scope, receive, send, body, t)
+
+    async def lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.upstreams.open()
+                pool, interval = self.upstreams.pool, self.settings.health_interval_s
+                self._watcher = asyncio.create_task(pool.watch(self.upstreams.session, interval))
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._watcher is not None:
+                    self._watcher.cancel()
+                await self.upstreams.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    @staticmethod
+    def log(scope, t: dict) -> None:
+        rid = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        fwd, first, t0 = t.get("forwarded"), t.get("upstream_first"), t["t0"]
+        log.info({"method": scope["method"], "path": route_label(scope["path"]), "status": t.get("status"),
+                  "request_id": rid, "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
+                  "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
+                  "ms_total": round((time.perf_counter() - t0) * 1e3, 3)})
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ContextKitError) else f"proxy error: {describe(exc)}"
+
+
+def create_app(settings: ProxySettings) -> ProxyApp:
+    """The ASGI application (``uvicorn`` serves it; tests run it in a thread)."""
+    return ProxyApp(settings)
+
+
+def serve(settings: ProxySettings) -> None:
+    """Run the proxy with uvicorn until SIGINT/SIGTERM; in-flight streams get ``graceful_shutdown_s``."""
+    import uvicorn
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                timeout_graceful_shutdown=int(settings.graceful_shutdown_s))

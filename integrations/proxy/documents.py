@@ -1,0 +1,127 @@
+"""The proxy's documents route: a chat request carrying ``documents`` (or ``contextkit`` options).
+
+The request goes through the one planner (``contextkit.core.planner``): rendered as stable token
+segments, ordered by the chosen upstream's Weaver for the tenant, block-aligned if asked, length-checked
+against the upstream's context. It is sent to the upstream's ``/v1/completions`` as token ids (so the
+segments stay as tokenized, which is what lets the prefix cache hit) with the tenant's ``cache_salt``,
+and the completion is translated back into a chat completion, streamed or not, carrying a
+``contextkit`` field (the order, whether it was reordered, the prompt tokens served from cache). The
+served order is recorded in the upstream's tree only once the upstream has accepted the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from contextkit.core.plan import RequestPlan
+from contextkit.core.planner import Planner
+from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, error_body, parse_chat, sse
+from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, close_on_disconnect, describe, read_error, send_json
+from contextkit.integrations.upstreams import Upstream
+
+
+def completion_body(body: dict, chat: ChatBody, plan: RequestPlan) -> dict:
+    """The ``/v1/completions`` request for a planned chat: the client's sampling fields as they are."""
+    out = {k: body[k] for k in SAMPLING if k in body}
+    if chat.max_completion_tokens is not None and chat.max_tokens is None:
+        out["max_tokens"] = chat.max_completion_tokens
+    out.update(model=chat.model, prompt=plan.ids)
+    if chat.return_token_ids:
+        out["return_token_ids"] = True
+    if out.get("stream"):
+        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+    if plan.tenant.cache_salt:
+        out["cache_salt"] = plan.tenant.cache_salt
+    return out
+
+
+def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None) -> dict:
+    out = {"order": list(plan.document_ids), "reordered": plan.reordered,
+           "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.url, "tenant": plan.tenant.name,
+           "padding_tokens": plan.padding_tokens, "prompt_tokens": plan.num_tokens}
+    if usage is not None:
+        out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return out
+
+
+async def documents(ups: Upstreams, planner: Planner, scope, receive, send, body: dict, t: dict) -> None:
+    """Answer a documents request (errors raised before the response starts are the caller's to send)."""
+    chat, request = parse_chat(body)
+    docs = planner.docs(request)
+    u = ups.pool.route(docs, request.tenant)
+    if u is None:
+        ups.least_loaded()  # raises the 503
+    plan = planner.plan(request, u.weaver, context_limit=await ups.model_len(u))
+    ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
+    payload = json.dumps(completion_body(body, chat, plan)).encode()
+    with ups.pool.lease(u):
+        resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
+        if resp.status != 200:  # the upstream refused the request: its own error, as it is
+            status, text = resp.status, await read_error(resp)
+            t["status"] = status
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": text.encode()})
+            return
+        u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
+        if chat.stream:
+            return await translate_stream(ups, u, resp, plan, receive, send, t)
+        try:
+            obj = json.loads(await resp.read())
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
+            resp.close()
+            raise ups.failure(u, exc) from None
+        resp.release()
+    ups.first_bytes(t)
+    ups.metrics.usage(obj.get("usage"))
+    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {})))
+
+
+def chat_from_completion(resp: dict, ext: dict) -> dict:
+    """A ``text_completion`` response as a ``chat.completion`` one, with our extension field."""
+    rid = "chatcmpl-" + str(resp.get("id", "")).removeprefix("cmpl-")
+    choices = [(c.get("index", 0), c.get("text", ""), c.get("finish_reason"),
+                {"prompt_token_ids": c["prompt_token_ids"]} if "prompt_token_ids" in c else {})  # return_token_ids
+               for c in resp.get("choices") or ()]
+    return completion(rid, resp.get("model"), True, choices, resp.get("usage") or None, ext, resp.get("created"))
+
+
+async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan, receive, send, t: dict) -> None:
+    """Relay a streamed completion as chat chunks; the client hanging up closes the upstream response."""
+    t["status"] = 200
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    watcher = asyncio.ensure_future(close_on_disconnect(receive, resp))
+    seen: set[int] = set()
+    done = False
+    try:
+        async for raw in resp.content:  # lines
+            if not raw.startswith(b"data:"):
+                continue
+            data = raw[5:].strip()
+            if data == b"[DONE]":
+                await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": True})
+                done = True
+                break
+            obj = json.loads(data)
+            deltas = []
+            for c in obj.get("choices") or ():
+                i = c.get("index", 0)
+                deltas.append((i, c.get("text", ""), i not in seen, c.get("finish_reason")))
+                seen.add(i)
+            if deltas and "upstream_first" not in t:
+                ups.first_bytes(t)
+            use = obj.get("usage")
+            ups.metrics.usage(use)
+            out = chunk("chatcmpl-" + str(obj.get("id", "")).removeprefix("cmpl-"), obj.get("model"), True, deltas,
+                        obj.get("created"), use, extension(plan, u, use) if use else None)
+            await send({"type": "http.response.body", "body": sse(out), "more_body": True})
+    except (*UPSTREAM_ERRORS, ValueError) as exc:
+        if not watcher.done():
+            event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+    finally:
+        watcher.cancel()
+        resp.release() if done else resp.close()
+    await send({"type": "http.response.body", "body": b""})

@@ -1,0 +1,41 @@
+"""The proxy's settings: flags, then ``CONTEXTKIT_PROXY_*`` environment variables, then a JSON file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
+
+
+class ProxySettings(BaseSettings):
+    """Proxy configuration from flags, ``CONTEXTKIT_PROXY_*`` environment variables or a JSON/env file."""
+
+    model_config = SettingsConfigDict(env_prefix="CONTEXTKIT_PROXY_", extra="forbid", frozen=True)
+
+    upstreams: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout_s: float = 120.0  # an upstream slower than this (to first byte, or between chunks) gets 504
+    connect_timeout_s: float = 5.0
+    block_size: int = 32  # the upstream's KV block size (vLLM: 16 on GPU, 32 on CPU)
+    model: str = "smollm2-135m-instruct"  # tokenizer used to render documents; must be the upstream's
+    cache_dir: Path = Path("~/.cache/contextkit")
+    health_interval_s: float = 5.0
+    max_body_bytes: int = 32 << 20
+    graceful_shutdown_s: float = 30.0
+
+
+def load_settings(file: Path | None = None, **flags) -> ProxySettings:
+    """Settings from flags, then ``CONTEXTKIT_PROXY_*`` environment variables, then a JSON file, then defaults."""
+
+    class _Settings(ProxySettings):
+        # pydantic-settings reads the JSON file named in model_config, so a subclass per file is how a
+        # path chosen at run time reaches it
+        model_config = SettingsConfigDict(**{**ProxySettings.model_config, "json_file": file})
+
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                       file_secret_settings):
+            return (init_settings, env_settings, JsonConfigSettingsSource(settings_cls))
+
+    return _Settings(**flags)

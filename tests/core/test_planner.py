@@ -1,0 +1,90 @@
+"""The one planner: stable document tokens, every turn kept, ordering asked without recording, block
+alignment, length checks and bad input, on the real tokenizers (a chat model and a base model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.prompt import MARK
+from contextkit.core.tenant import Tenant
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Evidence, Message
+from contextkit.ordering.weaver import Weaver
+
+DOCS = (Evidence("Paris is in France.", "d1", "Paris"), Evidence("Rome is in Italy.", "d2"))
+
+
+@pytest.fixture(scope="module", params=["smol", "gemma"])
+def planner(request, smol_dir, gemma_dir):
+    return Planner(Tokenizer(smol_dir if request.param == "smol" else gemma_dir), block_size=32)
+
+
+def test_documents_keep_their_tokens_wherever_they_land(planner):
+    q = ChatRequest.ask("Where is Paris?", DOCS, ordering="retrieval")
+    plan = planner.plan(q)
+    system, d1, d2, query = plan.items
+    assert (d1.span.token_ids, d2.span.token_ids) == tuple(planner.document_tokens(d) for d in DOCS)
+    assert plan.ids == [*system.span.token_ids, *d1.span.token_ids, *d2.span.token_ids, *query.span.token_ids]
+    assert plan.document_ids == ("d1", "d2") and not query.reuse and plan.order == (0, 1)
+    swapped = planner.plan(ChatRequest.ask("Where is Paris?", DOCS[::-1], ordering="retrieval"))
+    assert swapped.items[1].span.token_ids == d2.span.token_ids  # the same block at another rank
+    reused = Evidence("Berlin is in Germany.", "d1", "Paris")  # a client reuses an id for new text
+    assert planner.document_tokens(reused) != d1.span.token_ids
+
+
+def test_every_turn_is_kept_and_chat_without_documents_renders_as_is(smol_dir):
+    tok = Tokenizer(smol_dir)
+    planner = Planner(tok)
+    turns = (Message("system", "Be brief."), Message("user", "First question?"), Message("assistant", "First answer."),
+             Message("user", "Second question?"))
+    text = tok.decode(planner.plan(ChatRequest(turns, DOCS)).ids)
+    for part in ("Be brief.", "First question?", "First answer.", "Question: Second question?", "Rome is in Italy."):
+        assert part in text, part
+    plain = planner.plan(ChatRequest(turns))
+    msgs = [{"role": m.role, "content": m.content} for m in turns]
+    assert plain.ids == tok.encode(tok.render_chat(msgs))  # what vLLM's own template renders
+    assert len(plain.items) == 1 and not plain.items[0].reuse
+
+
+def test_ordering_is_asked_without_recording(planner):
+    weaver = Weaver(block_size=32)
+    tenant = Tenant("acme")
+    req = ChatRequest.ask("Where is Paris?", DOCS, tenant=tenant)
+    first = planner.plan(req, weaver)
+    assert first.order == (0, 1) and first.expected_cached_tokens == 0
+    again = planner.plan(ChatRequest.ask("Where is Paris?", DOCS[::-1], tenant=tenant), weaver)
+    assert again.order == (0, 1)  # nothing was recorded: retrieval order
+    weaver.record(first.served, tenant)
+    restored = planner.plan(ChatRequest.ask("Where is Paris?", DOCS[::-1], tenant=tenant), weaver)
+    assert restored.order == (1, 0) and restored.reordered and restored.document_ids == ("d1", "d2")
+    other = planner.plan(ChatRequest.ask("Where is Paris?", DOCS[::-1], tenant=Tenant("other")), weaver)
+    assert other.order == (0, 1)  # another tenant learns nothing
+
+
+def test_block_alignment_pads_prefix_and_documents(planner):
+    plan = planner.plan(ChatRequest.ask("Where is Paris?", DOCS, ordering="retrieval", block_align=True))
+    system, d1, d2, _ = plan.items
+    assert plan.padding_tokens > 0
+    assert len(system.span.token_ids) % 32 == len(d1.span.token_ids) % 32 == len(d2.span.token_ids) % 32 == 0
+    assert [d.tokens % 32 for d in plan.served] == [0, 0]
+
+
+def test_bad_requests(planner):
+    with pytest.raises(EmptyInputError, match="question"):
+        ChatRequest.ask("  ")
+    with pytest.raises(InputError, match="user message"):
+        ChatRequest((Message("system", "x"),))
+    with pytest.raises(InputError, match="marker"):
+        ChatRequest((Message("user", f"a{MARK}b"),))
+    with pytest.raises(InputError, match="repeats id"):
+        planner.plan(ChatRequest.ask("q", (Evidence("a", "x"), Evidence("b", "x"))))
+    with pytest.raises(EmptyInputError, match=r"documents\[0\]"):
+        planner.plan(ChatRequest.ask("q", (Evidence("  "),)))
+    with pytest.raises(PromptTooLongError, match="context of 100"):
+        planner.plan(ChatRequest.ask("q", DOCS, max_new_tokens=90), context_limit=100)
+    with pytest.raises(InputError, match="at most 128"):
+        Tenant("a" * 129)
+    with pytest.raises(InputError, match="'/'"):
+        Tenant("a/b")
