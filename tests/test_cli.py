@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _prepared(smol_dir):

@@ -66,7 +66,6 @@ def test_stale_partial_directory_is_replaced(tmp_path, smol_dir):
 def test_model_identity_is_the_weights_content(tiny_dirs, tmp_path):
     """Two directories differing only in one weight value get different span keys; a weight replaced in
     place is noticed (its cached digest is stale); an unchanged directory keeps its cached digest."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from contextkit.core.models import WEIGHTS_DIGEST, weights_digest

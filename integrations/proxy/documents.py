@@ -11,13 +11,12 @@ served order is recorded in the upstream's tree only once the upstream has accep
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
-from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, error_body, parse_chat, sse
-from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, close_on_disconnect, describe, read_error, send_json
+from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
+from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
 from contextkit.integrations.upstreams import Upstream
 
 
@@ -88,21 +87,19 @@ def chat_from_completion(resp: dict, ext: dict) -> dict:
 
 
 async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan, receive, send, t: dict) -> None:
-    """Relay a streamed completion as chat chunks; the client hanging up closes the upstream response."""
+    """Relay a streamed completion as chat chunks (``relay.streamed`` handles hang-ups and failures)."""
     t["status"] = 200
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-    watcher = asyncio.ensure_future(close_on_disconnect(receive, resp))
     seen: set[int] = set()
-    done = False
-    try:
+    async with streamed(u, resp, receive, send) as stream:
         async for raw in resp.content:  # lines
             if not raw.startswith(b"data:"):
                 continue
             data = raw[5:].strip()
             if data == b"[DONE]":
                 await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": True})
-                done = True
+                stream.done = True
                 break
             obj = json.loads(data)
             deltas = []
@@ -117,11 +114,3 @@ async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan,
             out = chunk("chatcmpl-" + str(obj.get("id", "")).removeprefix("cmpl-"), obj.get("model"), True, deltas,
                         obj.get("created"), use, extension(plan, u, use) if use else None)
             await send({"type": "http.response.body", "body": sse(out), "more_body": True})
-    except (*UPSTREAM_ERRORS, ValueError) as exc:
-        if not watcher.done():
-            event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-    finally:
-        watcher.cancel()
-        resp.release() if done else resp.close()
-    await send({"type": "http.response.body", "body": b""})

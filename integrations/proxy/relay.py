@@ -9,6 +9,7 @@ errors of ``contextkit.core.errors`` (502 ``UpstreamError``, 503 ``NoUpstreamErr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -175,26 +176,36 @@ class Upstreams:
         await send({"type": "http.response.body", "body": content})
 
     async def relay(self, u: Upstream, resp: aiohttp.ClientResponse, receive, send, headers: list, t: dict):
-        """Stream the upstream's bytes to the client as they arrive. A client that hangs up closes the
-        upstream response (vLLM aborts the request); an upstream failing mid-stream gets an error event."""
+        """Stream the upstream's bytes to the client as they arrive."""
         t["status"] = resp.status
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        watcher = asyncio.ensure_future(close_on_disconnect(receive, resp))
-        done = first = False
-        try:
+        async with streamed(u, resp, receive, send) as stream:
             async for chunk in resp.content.iter_any():
-                if not first:
+                if "upstream_first" not in t:
                     self.first_bytes(t)
-                    first = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            done = True
-        except UPSTREAM_ERRORS as exc:
-            if not watcher.done():  # the upstream failed, not the client
-                event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        finally:
-            watcher.cancel()
-            # fully read: the connection goes back to the pool; half-read (client gone, error): closed,
-            # which tells vLLM to abort the request
-            resp.release() if done else resp.close()
-        await send({"type": "http.response.body", "body": b""})
+            stream.done = True
+
+
+class _Streamed:
+    done = False  # the upstream's response was read to its end
+
+
+@contextlib.asynccontextmanager
+async def streamed(u: Upstream, resp: aiohttp.ClientResponse, receive, send):
+    """The lifetime of one relayed stream (pass-through or translated). A client that hangs up closes the
+    upstream response (vLLM aborts the request); an upstream failing mid-stream gets an error event; a
+    response read to its end gives its connection back to the pool, any other is closed. The body ends
+    either way."""
+    state = _Streamed()
+    watcher = asyncio.ensure_future(close_on_disconnect(receive, resp))
+    try:
+        yield state
+    except (*UPSTREAM_ERRORS, ValueError) as exc:  # ValueError: an upstream event that is not JSON
+        if not watcher.done():  # the upstream failed, not the client
+            event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+    finally:
+        watcher.cancel()
+        resp.release() if state.done else resp.close()
+    await send({"type": "http.response.body", "body": b""})
