@@ -228,6 +228,9 @@ def proxy(
     block_size: Annotated[Optional[int], typer.Option(help="Upstream KV block size (vLLM: 16 GPU, 32 CPU).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model whose tokenizer renders documents (the upstream's).")] = None,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of settings (flags and CONTEXTKIT_PROXY_* env win).")] = None,
+    api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes from the key.")] = None,
+    allow_client_tenant: Annotated[Optional[bool], typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = None,
+    upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -237,7 +240,9 @@ def proxy(
     if config is not None and not config.is_file():
         _fail(f"--config {config} does not exist")
     flags = {k: v for k, v in dict(upstreams=upstream or None, host=host, port=port, timeout_s=timeout_s,
-                                   block_size=block_size, model=model).items() if v is not None}
+                                   block_size=block_size, model=model, api_keys_file=api_keys_file,
+                                   allow_client_tenant=allow_client_tenant,
+                                   upstream_api_key=upstream_api_key).items() if v is not None}
     try:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError) as exc:
@@ -261,15 +266,22 @@ def serve_cmd(
     served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
     kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
     kv_remote_url: Annotated[Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY", help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")] = None,
+    api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
+    allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     import uvicorn
 
     from contextkit.core.config import KVStoreConfig
+    from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys, load_secret
     from contextkit.integrations.serve import create_serve_app
     from contextkit.kit import ContextKit
 
     try:
+        keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
+        tenancy = Tenancy(keys, load_secret(Path(cache_dir).expanduser() / "secret"), allow_client_tenant)
+        err.print(check_bind(tenancy, host))
         config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url))
         status, update = _status(err)
@@ -280,7 +292,7 @@ def serve_cmd(
         _fail(str(exc))
     err.print(f"serving {model} as {served_model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)")
     try:
-        uvicorn.run(create_serve_app(kit, served_model_name), host=host, port=port, log_level="warning",
+        uvicorn.run(create_serve_app(kit, served_model_name, tenancy), host=host, port=port, log_level="warning",
                     timeout_graceful_shutdown=30)
     finally:
         kit.close()

@@ -17,6 +17,7 @@ from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.models import Progress, resolve_model_dir
 from contextkit.core.plan import RequestPlan, ReuseOptions, ReuseReport
 from contextkit.core.planner import ChatRequest, Ordering, Planner
+from contextkit.core.tenancy import derive
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
@@ -80,7 +81,7 @@ class ContextKit:
         # documents seen by this kit keep their KV here, reused at any position by later requests
         self.spans = SpanCache(
             self.engine,
-            store=KVSpanStore(build_store(self.config.kvstore)),
+            store=KVSpanStore(build_store(self.config.kvstore, derive(self.config.load_secret(), "kv-mac"))),
             rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
             tokenizer_fingerprint=self.tokenizer.fingerprint,
         )

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from contextkit.core.errors import ConfigError, InputError, MalformedBodyError, http_status
 from contextkit.core.generation import SamplingParams
@@ -29,6 +30,18 @@ SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", 
             "frequency_penalty", "repetition_penalty", "min_tokens", "stream", "stream_options", "user", "logit_bias")
 
 
+def _utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone surrogate (not valid UTF-8)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]  # every string that reaches the tokenizer
+MAX_STOP = 16
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,7 +50,7 @@ class MessageIn(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)  # name, tool_calls, ...: accepted, not rendered
 
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The content as text: OpenAI content parts are joined (only text parts are supported)."""
@@ -48,14 +61,17 @@ class MessageIn(BaseModel):
             if p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise InputError("only text content parts are supported ({\"type\": \"text\", \"text\": ...})",
                                  "messages")
-            parts.append(p["text"])
+            try:
+                parts.append(_utf8(p["text"]))
+            except ValueError as exc:
+                raise InputError(f"messages: a content part {exc}", "messages") from None
         return "".join(parts)
 
 
 class DocumentIn(_Strict):
-    text: str = Field(min_length=1)
-    title: str | None = None
-    id: str | int | None = None
+    text: Text = Field(min_length=1)
+    title: Text | None = None
+    id: Annotated[str, Field(max_length=256)] | int | None = None
 
     @field_validator("text")
     @classmethod
@@ -67,7 +83,7 @@ class DocumentIn(_Strict):
 
 class ContextkitOptions(_Strict):
     ordering: Literal["weaver", "retrieval"] = "weaver"
-    tenant: str = ""
+    tenant: str | None = None  # a sub-tenant, where the server allows client-chosen ones
     block_align: bool = False
     reuse: dict[str, Any] | None = None  # serve only: ReuseOptions fields
 
@@ -83,7 +99,7 @@ class _Sampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     n: int | None = Field(default=None, ge=1)
     presence_penalty: float | None = None
@@ -124,7 +140,7 @@ class ChatBody(_Sampling):
 class CompletionBody(_Sampling):
     """A text completion request (``contextkit serve``; the proxy passes these through)."""
 
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Text | list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
 
 
 def validate(model: type[BaseModel], body: dict) -> Any:
@@ -171,8 +187,13 @@ def reuse_options(fields: dict[str, Any] | None) -> ReuseOptions:
         raise InputError(f"contextkit.reuse: {exc}", "contextkit") from exc
 
 
-def parse_chat(body: dict, *, allow_reuse: bool = False, default_max_tokens: int = 16) -> tuple[ChatBody, ChatRequest]:
-    """A chat body checked and turned into the planner's request (tenant, ordering, reuse and all)."""
+def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reuse: bool = False,
+               default_max_tokens: int = 16) -> tuple[ChatBody, ChatRequest]:
+    """A chat body checked and turned into the planner's request (tenant, ordering, reuse and all).
+
+    ``tenant`` maps the body's ``contextkit.tenant`` (None when absent) to the tenant the request runs as:
+    a server's ``Tenancy.resolve`` for the request's key (it refuses names the key may not use).
+    """
     chat: ChatBody = validate(ChatBody, body)
     opts = chat.contextkit or ContextkitOptions()
     if opts.reuse is not None and not allow_reuse:
@@ -181,12 +202,12 @@ def parse_chat(body: dict, *, allow_reuse: bool = False, default_max_tokens: int
     messages = tuple(Message(m.role, m.text()) for m in chat.messages)
     docs = tuple(Evidence(d.text, None if d.id is None else str(d.id), d.title) for d in chat.documents or ())
     try:
-        tenant = Tenant(opts.tenant)
+        runs_as = tenant(opts.tenant)
     except InputError as exc:
         raise InputError(f"contextkit.tenant: {exc}", "contextkit") from None
     # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
     reuse = reuse_options(opts.reuse) if allow_reuse and (docs or opts.reuse is not None) else None
-    request = ChatRequest(messages, docs, tenant, opts.ordering, opts.block_align, reuse,
+    request = ChatRequest(messages, docs, runs_as, opts.ordering, opts.block_align, reuse,
                           chat.new_tokens or default_max_tokens)
     return chat, request
 
@@ -202,7 +223,7 @@ def error_body(status_or_exc: int | BaseException, message: str | None = None, p
         param = param or getattr(exc, "param", None)
     else:
         status = status_or_exc
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
             502: "upstream_error", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")  # fmt: skip
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

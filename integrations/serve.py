@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request  # module level: route signatures are resolved from module globals
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
-from contextkit.core.errors import ContextKitError, InputError, http_status
+from contextkit.core.errors import (
+    BodyTooLargeError, ConfigError, ContextKitError, DeadlineExceededError, InputError, OverloadedError, http_status,
+)  # fmt: skip
+from contextkit.core.tenancy import Tenancy
+from contextkit.core.tenant import Tenant
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.openai_api import (
     CompletionBody, chunk, completion, error_body, json_body, new_id, parse_chat, sse, usage, validate,
@@ -33,13 +39,95 @@ from contextkit.kvstore.metrics import StoreCollector
 _DONE = object()
 
 
-def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
-    """An OpenAI-compatible app over a ``ContextKit`` (its planner, engine and span cache)."""
+@dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """What one client can ask of ``serve``.
+
+    Attributes:
+        max_queue: requests waiting for or on the engine; one more gets 429 with ``Retry-After``.
+        deadline_s: a request's longest time from arrival to its last token (then 504, or an error event).
+        max_body_bytes: a larger request body gets 413.
+        retry_after_s: what a 429 tells the client to wait.
+    """
+
+    max_queue: int = 32
+    deadline_s: float = 300.0
+    max_body_bytes: int = 8 << 20
+    retry_after_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1 or self.deadline_s <= 0 or self.max_body_bytes < 1:
+            raise ConfigError("serve limits must be positive")
+
+
+class Job:
+    """One request on the engine thread: planned, then decoded delta by delta into a queue the event loop
+    reads. It stops at the next token once ``cancel`` is set (the client is gone) or past ``deadline``;
+    ``stopped`` says which (counted by the server)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, make: Callable, deadline: float):
+        self.loop, self.make, self.deadline = loop, make, deadline
+        self.stopped: str | None = None
+        self.cancel = threading.Event()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, kind: str, value=None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+    def run(self) -> None:  # on the engine thread
+        try:
+            if self.cancel.is_set():
+                return
+            if time.monotonic() > self.deadline:
+                self.stopped = "deadline"
+                raise DeadlineExceededError("the request waited past its deadline; retry when the server is less busy")
+            stream = self.make()  # planning and the prompt (or the span assembly)
+            self._put("planned", stream)
+            for delta in stream:
+                if self.cancel.is_set():
+                    if stream.result is None:
+                        self.stopped = "disconnect"
+                    return
+                if time.monotonic() > self.deadline:
+                    self.stopped = "deadline"
+                    raise DeadlineExceededError("the request ran past its deadline and was stopped; ask for "
+                                                "fewer tokens or retry when the server is less busy")
+                self._put("delta", delta)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the client as an OpenAI error
+            self._put("error", exc if isinstance(exc, ContextKitError) else ContextKitError(f"engine error: {exc}"))
+        finally:
+            self._put("done")
+
+    async def next(self) -> tuple[str, object]:
+        return await self.queue.get()
+
+    async def next_or_disconnect(self, request: Request, poll_s: float = 0.25) -> tuple[str, object]:
+        """The next item; a client that hung up cancels the job (the engine stops at its next token)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), poll_s)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel.set()
+                    return ("done", None)
+
+
+def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
+                     limits: ServeLimits = ServeLimits()) -> FastAPI:
+    """An OpenAI-compatible app over a ``ContextKit`` (its planner, engine and span cache).
+
+    ``tenancy`` maps API keys to tenants (None: an open server, one shared tenant): a request's tenant,
+    its span keys and its ordering history come from its key. ``limits`` bound what one client can ask.
+    """
+    tenancy = tenancy or Tenancy()
+    pending: set[Job] = set()  # queued or running on the engine thread
     app = FastAPI(title="contextkit serve")
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     metrics = ServerMetrics("contextkit_serve")
     span_tokens = Counter("contextkit_serve_span_tokens", "prompt tokens of span-reuse requests, by what was done",
                           ("kind",), registry=metrics.registry)
+    cancelled = Counter("contextkit_serve_cancelled", "requests stopped early: the client hung up or the deadline passed",
+                        ("why",), registry=metrics.registry)
     metrics.registry.register(StoreCollector(kit.spans.store.kv))
 
     def fail(exc: BaseException, route: str) -> JSONResponse:
@@ -63,79 +151,118 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 
-    async def run(make: Callable, body, route: str, chat: bool):
-        """Plan and start on the engine thread, then answer, streaming or not."""
+    async def run(make: Callable, body, request: Request, route: str, chat: bool):
+        """Queue the request for the engine thread (429 when the queue is full), then answer, streaming
+        or not. The engine stops at the next token once the client is gone or the deadline passed."""
+        if len(pending) >= limits.max_queue:
+            raise OverloadedError(f"{len(pending)} requests are waiting for the engine; retry shortly",
+                                  retry_after_s=limits.retry_after_s)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        job = Job(loop, make, time.monotonic() + limits.deadline_s)
+        pending.add(job)
+
+        def finished(_) -> None:
+            pending.discard(job)
+            if job.stopped:
+                cancelled.labels(job.stopped).inc()
+
+        loop.run_in_executor(worker, job.run).add_done_callback(finished)
         try:
-            stream = await loop.run_in_executor(worker, make)
-        except ContextKitError as exc:
-            return fail(exc, route)
+            kind, value = await job.next_or_disconnect(request)  # planned (or refused), maybe after a wait
+        except BaseException:
+            job.cancel.set()
+            raise
+        if kind == "error":
+            raise value
+        if kind == "done":  # the client hung up while the request waited: it never runs
+            metrics.request(route, 499)
+            return Response(status_code=499)
+        stream = value
         rid, created = new_id(chat), int(time.time())
         ids = {"prompt_token_ids": list(stream.prompt_ids)} if body.return_token_ids else {}
         if not body.stream:
-            gen = await loop.run_in_executor(worker, stream.finish)
+            try:
+                while (item := await job.next_or_disconnect(request))[0] == "delta":
+                    pass
+            finally:
+                job.cancel.set()  # client gone or finished: nothing more to decode
+            if item[0] == "error":
+                raise item[1]
+            gen = stream.result
+            if gen is None:  # the client hung up: nobody reads this
+                metrics.request(route, 499)
+                return Response(status_code=499)
             metrics.first_token(gen.prefill_ms / 1e3)
             metrics.request(route, 200)
             out = completion(rid, served_name, chat, [(0, gen.text, gen.finish_reason, ids)],
                              usage_of(stream, len(gen.token_ids)), extension(stream), created)
             return JSONResponse(out)
 
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def produce() -> None:
-            try:
-                for delta in stream:
-                    loop.call_soon_threadsafe(queue.put_nowait, delta)
-            except ContextKitError as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
-        fut = loop.run_in_executor(worker, produce)
         metrics.request(route, 200)
 
         async def events():
             first = True
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    break
-                if isinstance(item, Exception):
-                    yield sse(error_body(item))
-                    break
-                if first:
-                    metrics.first_token(time.perf_counter() - t0)
-                out = chunk(rid, served_name, chat, [(0, item, first, None)], created)
-                if first:
-                    out["choices"][0].update(ids)  # vLLM sends the prompt's ids with the first delta
-                first = False
-                yield sse(out)
-            await fut
-            gen = stream.result
-            if gen is not None:
-                yield sse(chunk(rid, served_name, chat, [(0, "", first, gen.finish_reason)], created))
-                yield sse(chunk(rid, served_name, chat, [], created, usage_of(stream, len(gen.token_ids)),
-                                extension(stream)))
-            yield sse("[DONE]")
+            try:
+                while True:
+                    kind, item = await job.next()
+                    if kind == "done":
+                        break
+                    if kind == "error":
+                        yield sse(error_body(item))
+                        break
+                    if first:
+                        metrics.first_token(time.perf_counter() - t0)
+                    out = chunk(rid, served_name, chat, [(0, item, first, None)], created)
+                    if first:
+                        out["choices"][0].update(ids)  # vLLM sends the prompt's ids with the first delta
+                    first = False
+                    yield sse(out)
+                gen = stream.result
+                if gen is not None:
+                    yield sse(chunk(rid, served_name, chat, [(0, "", first, gen.finish_reason)], created))
+                    yield sse(chunk(rid, served_name, chat, [], created, usage_of(stream, len(gen.token_ids)),
+                                    extension(stream)))
+                yield sse("[DONE]")
+            finally:  # the client hung up (the generator is closed) or the stream ended
+                job.cancel.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.exception_handler(ContextKitError)
     async def _error(request: Request, exc: ContextKitError):
-        return fail(exc, request.url.path)
+        response = fail(exc, request.url.path)
+        if isinstance(exc, OverloadedError):
+            response.headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
+        return response
 
     @app.get("/health")
     async def health():
         return Response(status_code=200)
 
+    async def body_of(request: Request) -> dict:
+        """The JSON body, read up to ``limits.max_body_bytes`` (413 past it)."""
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limits.max_body_bytes:
+                raise BodyTooLargeError(f"request body is over the limit of {limits.max_body_bytes} bytes")
+            parts.append(part)
+        return json_body(b"".join(parts))
+
+    def caller(request: Request) -> Tenant:
+        return tenancy.authenticate(request.headers.get("authorization"))
+
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        caller(request)
         return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "contextkit",
                                             "max_model_len": kit.engine.spec.max_positions}]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = json_body(await request.body())
+        caller(request)
+        body = await body_of(request)
         prompt = body.get("prompt", "")
         if not isinstance(prompt, str):
             raise InputError("prompt must be a string", "prompt")
@@ -144,23 +271,27 @@ def create_serve_app(kit, served_name: str = "contextkit") -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body, req = parse_chat(json_body(await request.body()), allow_reuse=True, default_max_tokens=256)
+        tenant = caller(request)
+        body, req = parse_chat(await body_of(request), lambda name: tenancy.resolve(tenant, name),
+                               allow_reuse=True, default_max_tokens=256)
         params = body.sampling()
-        return await run(lambda: kit.run(kit.plan(req), params), body, "/v1/chat/completions", chat=True)
+        return await run(lambda: kit.run(kit.plan(req), params), body, request, "/v1/chat/completions", chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body: CompletionBody = validate(CompletionBody, json_body(await request.body()))
+        tenant = caller(request)
+        body: CompletionBody = validate(CompletionBody, await body_of(request))
         params = body.sampling()
 
         def make():
-            return kit.run(kit.planner.plan_prompt(body.prompt, max_new_tokens=params.max_new_tokens), params)
+            plan = kit.planner.plan_prompt(body.prompt, tenant, max_new_tokens=params.max_new_tokens)
+            return kit.run(plan, params)
 
-        return await run(make, body, "/v1/completions", chat=False)
+        return await run(make, body, request, "/v1/completions", chat=False)
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    app.state.kit = kit
+    app.state.kit, app.state.tenancy, app.state.pending = kit, tenancy, pending
     return app

@@ -5,27 +5,35 @@ kvstore does not know what a span is. It stores ``Entry`` objects under a key th
 puts a span's K, V and token ids in one entry and checks the span-level meaning itself.
 
 Byte format (disk and remote tiers), little-endian:
-``MAGIC (8 bytes) | header length (u32) | header (JSON) | payload (the tensors' bytes, in header order)``.
+``MAGIC (8 bytes) | header length (u32) | header (JSON) | payload (the tensors' bytes) | MAC (32 bytes)``.
 The header repeats the key digest and tenant, the tensors' names, shapes and dtypes, the payload
-length and its xxh3-64 checksum (~30 GB/s here: cheap next to any copy). ``decode`` refuses anything that does not match exactly (truncated, extended,
-flipped bits, another key's bytes), and the caller drops the entry and recomputes.
+length and its xxh3-64 checksum. The MAC is keyed BLAKE3 over everything before it, under a key derived
+from the deployment's secret (``contextkit.core.tenancy.derive(secret, "kv-mac")``): bytes anyone with
+write access to Redis or the disk put there without the secret (a copied header over swapped tensors,
+a recomputed checksum) fail it. ``decode`` refuses anything that does not match exactly (a wrong MAC,
+truncated, extended, flipped bits, another key's bytes), and the caller drops the entry and recomputes.
+What a shared tier still exposes: the bytes are not encrypted, so whoever reads Redis or the disk reads
+the token ids (the documents' text) and their KV.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import struct
 import time
 import warnings
 from dataclasses import dataclass, field
 
+import blake3
 import torch
 import xxhash
 
 from contextkit.core.errors import CorruptEntryError, KVCacheError
 from contextkit.core.tenant import Tenant
 
-MAGIC = b"CTXKV\x00\x02\x00"  # v2: the header names the tenant "tenant"
+MAGIC = b"CTXKV\x00\x03\x00"  # v3: a keyed MAC after the payload
+MAC_BYTES = 32
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8,
@@ -89,19 +97,34 @@ def make_entry(key, tensors: dict[str, torch.Tensor], layout: str, cost_ms: floa
     return Entry(meta, dict(tensors))
 
 
-def encode(entry: Entry) -> list[memoryview | bytes]:
-    """The entry as byte chunks (header, then each tensor's bytes without a copy)."""
+def mac(mac_key: bytes, chunks) -> bytes:
+    """The keyed BLAKE3 MAC (32 bytes) of header and payload chunks."""
+    h = blake3.blake3(key=mac_key)
+    for c in chunks:
+        h.update(c)
+    return h.digest()
+
+
+def encode(entry: Entry, mac_key: bytes) -> list[memoryview | bytes]:
+    """The entry as byte chunks (header, each tensor's bytes without a copy, then the MAC)."""
     m = entry.meta
     header = json.dumps({
         "digest": m.digest, "tenant": m.tenant, "layout": m.layout, "nbytes": m.nbytes,
         "xxh3_64": m.checksum, "cost_ms": m.cost_ms, "created": m.created,
         "tensors": [[n, list(s), d] for n, s, d in m.tensors],
     }).encode()  # fmt: skip
-    return [MAGIC + struct.pack("<I", len(header)) + header, *(_bytes_of(entry.tensors[n]) for n, _, _ in m.tensors)]
+    chunks = [MAGIC + struct.pack("<I", len(header)) + header, *(_bytes_of(entry.tensors[n]) for n, _, _ in m.tensors)]
+    return [*chunks, mac(_check_key(mac_key), chunks)]
 
 
-def encode_bytes(entry: Entry) -> bytes:
-    return b"".join(encode(entry))
+def encode_bytes(entry: Entry, mac_key: bytes) -> bytes:
+    return b"".join(encode(entry, mac_key))
+
+
+def _check_key(mac_key: bytes) -> bytes:
+    if not isinstance(mac_key, bytes) or len(mac_key) != MAC_BYTES:
+        raise KVCacheError(f"a KV MAC key is {MAC_BYTES} bytes (contextkit.core.tenancy.derive(secret, 'kv-mac'))")
+    return mac_key
 
 
 def _view(payload: memoryview, offset: int, size: int) -> torch.Tensor:
@@ -115,15 +138,20 @@ def _view(payload: memoryview, offset: int, size: int) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
 
 
-def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True, borrowed: bool = False) -> Entry:
-    """Parse and check stored bytes; with ``key``, also that they belong to it.
+def decode(data: bytes | bytearray | memoryview, key=None, mac_key: bytes | None = None, verify: bool = True,
+           borrowed: bool = False) -> Entry:
+    """Parse and check stored bytes: the MAC first (``mac_key``, the deployment's), then with ``key`` that
+    they belong to it. ``verify=False`` skips the MAC (bytes this process wrote and never let out).
 
     Raises:
         CorruptEntryError: anything does not match; the message says what.
     """
     view = memoryview(data)
-    if len(view) < 12 or bytes(view[:8]) != MAGIC:
+    if len(view) < 12 + MAC_BYTES or bytes(view[:8]) != MAGIC:
         raise CorruptEntryError("not a contextkit KV entry (bad magic)")
+    tag, view = bytes(view[-MAC_BYTES:]), view[:-MAC_BYTES]
+    if verify and not hmac.compare_digest(tag, mac(_check_key(mac_key), [view])):
+        raise CorruptEntryError("MAC mismatch: not written with this deployment's secret, or altered")
     (hlen,) = struct.unpack("<I", view[8:12])
     try:
         h = json.loads(bytes(view[12 : 12 + hlen]))
@@ -137,7 +165,7 @@ def decode(data: bytes | bytearray | memoryview, key=None, verify: bool = True, 
         raise CorruptEntryError(f"payload is {len(payload)} bytes, header says {meta.nbytes} (truncated?)")
     if key is not None and (meta.digest != key.digest or meta.tenant != key.tenant):
         raise CorruptEntryError("entry belongs to another key or tenant")
-    if verify and xxhash.xxh3_64_intdigest(payload) != meta.checksum:
+    if not verify and xxhash.xxh3_64_intdigest(payload) != meta.checksum:  # the MAC covers it when verified
         raise CorruptEntryError("checksum mismatch")
     tensors, off = {}, 0
     for name, shape, dtype in meta.tensors:

@@ -41,13 +41,13 @@ import threading
 import time
 import urllib.parse
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.core.errors import CorruptEntryError
-from contextkit.kvstore.entry import Entry, decode, encode
+from contextkit.kvstore.entry import MAC_BYTES, Entry, decode, encode
 
 _BACKEND = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "remote": "RemoteBackend"}
 _patch_lock = threading.Lock()
@@ -63,6 +63,8 @@ class LMCacheTierConfig:
     pool_bytes: int = 512 << 20  # LMCache's CPU pool: staging for disk/remote, the store for cpu
     timeout_s: float = 5.0  # deadline of one remote call
     retry_after_s: float = 2.0  # after a remote failure, how long to answer misses before probing again
+    # keys the MAC of every entry (kvstore.entry); processes sharing a tier share it (derive(secret, "kv-mac"))
+    mac_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _BACKEND:
@@ -74,6 +76,10 @@ class LMCacheTierConfig:
             if url.scheme not in ("lm", "redis") or not url.hostname or not url.port:
                 raise ConfigError(f"remote_url must be lm://host:port (lmcache_server) or redis://host:port, "
                                   f"got {self.remote_url!r}")
+        if len(self.mac_key) != MAC_BYTES:
+            raise ConfigError(f"an LMCache tier needs mac_key ({MAC_BYTES} bytes, "
+                              "contextkit.core.tenancy.derive(secret, 'kv-mac')): entries that leave the process "
+                              "are authenticated")
         if self.max_bytes <= 0 or self.pool_bytes <= 0 or self.timeout_s <= 0:
             raise ConfigError("max_bytes, pool_bytes and timeout_s must be positive")
 
@@ -313,7 +319,7 @@ class LMCacheTier:
         arr = obj.tensor.reshape(-1).numpy()
         weakref.finalize(arr, obj.ref_count_down)
         try:
-            entry = decode(memoryview(arr), key, borrowed=True)
+            entry = decode(memoryview(arr), key, self.cfg.mac_key, borrowed=True)
         except CorruptEntryError:
             self._stats.add("corrupt")
             self._stats.add("misses")
@@ -329,7 +335,7 @@ class LMCacheTier:
         if not self._available():
             self._stats.add("errors")
             return
-        chunks = encode(entry)
+        chunks = encode(entry, self.cfg.mac_key)
         size = sum(len(c) for c in chunks)
         torch = self._torch
         try:

@@ -65,15 +65,17 @@ class TieredStore:
         self.close()
 
 
-def build_store(cfg: KVStoreConfig) -> TieredStore:
-    """The tiers ``cfg`` asks for: memory always; LMCache disk if ``disk_dir``; LMCache remote if ``remote_url``."""
+def build_store(cfg: KVStoreConfig, mac_key: bytes) -> TieredStore:
+    """The tiers ``cfg`` asks for: memory always; LMCache disk if ``disk_dir``; LMCache remote if ``remote_url``.
+    ``mac_key`` authenticates every entry the disk and remote tiers hold."""
     tiers: list = [MemoryTier(cfg.memory_bytes)]
     if cfg.disk_dir is not None or cfg.remote_url:
         from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
         if cfg.disk_dir is not None:
-            tiers.append(LMCacheTier(LMCacheTierConfig("disk", max_bytes=cfg.disk_bytes, disk_dir=cfg.disk_dir)))
+            tiers.append(LMCacheTier(LMCacheTierConfig("disk", max_bytes=cfg.disk_bytes, disk_dir=cfg.disk_dir,
+                                                         mac_key=mac_key)))
         if cfg.remote_url:
             tiers.append(LMCacheTier(LMCacheTierConfig("remote", remote_url=cfg.remote_url,
-                                                       timeout_s=cfg.remote_timeout_s)))
+                                                       timeout_s=cfg.remote_timeout_s, mac_key=mac_key)))
     return TieredStore(tiers)

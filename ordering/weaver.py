@@ -15,10 +15,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.planner import MAX_DOCUMENTS as MAX_K
+from contextkit.core.planner import MAX_ID_CHARS
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, OrderResult
 from contextkit.ordering.tree import PrefixTree
@@ -40,6 +42,8 @@ def _check(docs: Sequence[Doc]) -> None:
         raise InputError(f"{len(docs)} documents in one request; at most {MAX_K} are accepted")
     seen = set()
     for d in docs:
+        if len(d.id) > MAX_ID_CHARS:
+            raise InputError(f"document id {d.id[:40]!r}... is over {MAX_ID_CHARS} characters")
         if d.id in seen:
             raise InputError(f"document id {d.id!r} appears twice in one request; deduplicate the evidence")
         if d.tokens < 0:
@@ -53,23 +57,44 @@ class Weaver:
     Args:
         block_size: the engine's KV block size (vLLM: 16 on GPU, 32 on CPU).
         max_nodes: bound of each tenant's tree.
+        max_tenants: trees kept; past it the least recently used tenant's tree is dropped (its
+            history is a model of cache contents the engine will have evicted by then anyway).
+
+    Memory is bounded: ``max_tenants`` trees of ``max_nodes`` nodes, each node an id of at most
+    ``MAX_ID_CHARS`` characters. Only ``record`` creates a tree; asking for an order (``record=False``)
+    for an unknown tenant creates nothing.
     """
 
-    def __init__(self, block_size: int = 16, max_nodes: int = 100_000):
+    def __init__(self, block_size: int = 16, max_nodes: int = 100_000, max_tenants: int = 1024):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        if max_tenants < 1:
+            raise ConfigError(f"max_tenants must be >= 1, got {max_tenants}")
         self.block_size = block_size
         self.max_nodes = max_nodes
-        self._trees: dict[str, PrefixTree] = {}
+        self.max_tenants = max_tenants
+        self._trees: OrderedDict[str, PrefixTree] = OrderedDict()
         self._lock = threading.Lock()
 
-    def tree(self, tenant: Tenant | str = "") -> PrefixTree:
-        """The tenant's tree (an unknown tenant starts with an empty one and learns nothing from others)."""
+    def tree(self, tenant: Tenant | str = "", create: bool = True) -> PrefixTree:
+        """The tenant's tree (an unknown tenant starts with an empty one and learns nothing from others;
+        with ``create=False`` that empty tree is not kept)."""
         name = Tenant.of(tenant).name
         with self._lock:
-            if name not in self._trees:
-                self._trees[name] = PrefixTree(self.max_nodes)
-            return self._trees[name]
+            tree = self._trees.get(name)
+            if tree is None:
+                tree = PrefixTree(self.max_nodes)
+                if not create:
+                    return tree
+                self._trees[name] = tree
+                while len(self._trees) > self.max_tenants:
+                    self._trees.popitem(last=False)
+            self._trees.move_to_end(name)
+            return tree
+
+    @property
+    def tenants(self) -> int:
+        return len(self._trees)
 
     def record(self, docs: Sequence[Doc], tenant: Tenant | str = "") -> None:
         """``docs`` were served in this order to an engine: its prefix cache now holds them."""
@@ -87,7 +112,7 @@ class Weaver:
         """
         t0 = time.perf_counter()
         _check(docs)
-        tree = self.tree(tenant)
+        tree = self.tree(tenant, create=record)
         with self._lock:
             picked: list[int] = []
             node = tree.root

@@ -67,3 +67,8 @@ def test_models_list_shows_prepared_default(smol_dir, cli):
     proc = cli("models", "list")
     assert proc.returncode == 0, proc.stderr
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout
+
+
+def test_servers_without_keys_stay_on_loopback(cli, one_line_error):
+    one_line_error(cli("serve", "--host", "0.0.0.0", "--port", "1"), "API keys", "127.0.0.1")
+    one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0"), "API keys")

@@ -330,7 +330,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         port = free_port()
         pin = ["taskset", "-c", ",".join(map(str, proxy_cpus))] if proxy_cpus else []
         exe = [*pin, sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
-               "--block-size", str(block), "--model", ctx.config.model]
+               "--block-size", str(block), "--model", ctx.config.model,
+               "--allow-client-tenant"]  # the trace's tenants are named by the client: an open proxy on loopback
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
         with open(proxy_log, "ab") as log:
             proxy_proc = subprocess.Popen(exe, stdout=log, stderr=subprocess.STDOUT, env=env)

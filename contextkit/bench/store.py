@@ -55,9 +55,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
     from contextkit.kvstore.memory import MemoryTier
     from contextkit.core.models import prepare
+    from contextkit.core.tenancy import derive
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Span
 
+    mac_key = derive(ctx.config.load_secret(), "kv-mac")  # every entry leaving the process carries a MAC
     sizes = [int(s) for s in ctx.option("sizes", "128,1024,4096").split(",")]
     tiers = ctx.option("tiers", ",".join(TIERS)).split(",")
     bad = [t for t in tiers if t not in TIERS]
@@ -82,10 +84,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         for name in tiers:
             made[name] = {
                 "memory": lambda: MemoryTier(4 << 30),
-                "lmcache-cpu": lambda: LMCacheTier(LMCacheTierConfig("cpu", max_bytes=2 << 30), "lmcache-cpu"),
-                "disk": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk", pool_bytes=1 << 30)),
-                "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30)),
-                "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30,
+                "lmcache-cpu": lambda: LMCacheTier(LMCacheTierConfig("cpu", max_bytes=2 << 30, mac_key=mac_key), "lmcache-cpu"),
+                "disk": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk", pool_bytes=1 << 30, mac_key=mac_key)),
+                "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30, mac_key=mac_key)),
+                "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30, mac_key=mac_key,
                                                                timeout_s=30)),
             }[name]()
         import redis as redis_py
@@ -102,7 +104,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             key = compiled.key
             ids = torch.tensor(span.token_ids, dtype=torch.int64)
             entry = make_entry(key, {"k": compiled.k, "v": compiled.v, "token_ids": ids}, LAYOUT, compile_ms[n])
-            blob = encode_bytes(entry)
+            blob = encode_bytes(entry, mac_key)
             mb = len(blob) / 1e6
             # raw baselines on the same bytes
             dk, dv = torch.empty_like(compiled.k), torch.empty_like(compiled.v)

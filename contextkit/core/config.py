@@ -52,6 +52,9 @@ class ContextKitConfig:
             ``contextkit bench engine``) at a measured fidelity cost.
         threads: torch intra-op threads; None leaves torch's default.
         kvstore: where span KV lives (memory tier; optional LMCache disk and remote tiers).
+        secret: the deployment secret (>= 32 characters) that keys the MAC of KV leaving the process (and
+            a server's cache salts); None: the one in ``<cache_dir>/secret``, made once. Processes that
+            share a disk or remote tier share it.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -59,6 +62,7 @@ class ContextKitConfig:
     dtype: str = "float32"
     threads: int | None = None
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,3 +72,9 @@ class ContextKitConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 or None, got {self.threads}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+
+    def load_secret(self) -> bytes:
+        """The deployment secret (``contextkit.core.tenancy.load_secret``)."""
+        from contextkit.core.tenancy import load_secret
+
+        return load_secret(self.cache_dir / "secret", self.secret)

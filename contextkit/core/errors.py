@@ -13,6 +13,11 @@ ContextKitError                  500
 │   ├── BodyTooLargeError        413  the body is over the server's limit
 │   ├── EmptyInputError          422  nothing to answer
 │   └── PromptTooLongError       413  prompt (+ tokens to generate) exceeds the model's context
+├── AccessError                  a request that may not be served as sent
+│   ├── AuthenticationError      401  no API key, or one the server does not know
+│   └── PermissionDeniedError    403  a key asking for what it may not (another tenant)
+├── OverloadedError              429  the server's queue is full (retry after ``retry_after_s``)
+├── DeadlineExceededError        504  a request ran past its deadline
 ├── KVCacheError                 500  a KV cache misuse (out of capacity, mismatched shapes)
 │   └── CorruptEntryError            stored KV bytes that fail a check: dropped and recomputed, never served
 └── UpstreamError                502  an upstream (vLLM) failed or could not be started
@@ -71,6 +76,30 @@ class PromptTooLongError(InputError):
     """The prompt plus the tokens to generate do not fit the model's context window."""
 
 
+class AccessError(ContextKitError):
+    """The caller may not be served as the request says."""
+
+
+class AuthenticationError(AccessError):
+    """No API key, or a key the server does not know."""
+
+
+class PermissionDeniedError(AccessError):
+    """The key is valid but asks for what it may not (a tenant other than its own)."""
+
+
+class OverloadedError(ContextKitError):
+    """The server cannot take the request now; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(ContextKitError):
+    """A request ran past its deadline and was stopped."""
+
+
 class KVCacheError(ContextKitError):
     """A KV cache was used beyond its capacity or with tensors of the wrong shape."""
 
@@ -97,6 +126,10 @@ _STATUS: dict[type[BaseException], int] = {
     BodyTooLargeError: 413,
     PromptTooLongError: 413,
     InputError: 422,
+    AuthenticationError: 401,
+    PermissionDeniedError: 403,
+    OverloadedError: 429,
+    DeadlineExceededError: 504,
     NoUpstreamError: 503,
     UpstreamTimeoutError: 504,
     UpstreamError: 502,

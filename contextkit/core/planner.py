@@ -35,6 +35,7 @@ from contextkit.core.types import Doc, Evidence, Message, OrderResult, Span
 Ordering = Literal["weaver", "retrieval"]
 ORDERINGS: tuple[str, ...] = ("weaver", "retrieval")
 MAX_DOCUMENTS = 1024  # per request; beyond this a request is certainly malformed
+MAX_ID_CHARS = 256  # a document id (kept in ordering trees, so bounded)
 
 
 class Orderer(Protocol):
@@ -167,6 +168,8 @@ class Planner:
                 raise EmptyInputError(f"document {i + 1} (documents[{i}]) has no text; remove it or give it content",
                                       "documents")
             did = d.id or content_id(d)
+            if len(did) > MAX_ID_CHARS:
+                raise InputError(f"documents[{i}].id is over {MAX_ID_CHARS} characters", "documents")
             if did in seen:
                 raise InputError(f"documents[{i}] repeats id {did!r}; send each document once", "documents")
             seen.add(did)
@@ -211,6 +214,9 @@ class Planner:
         ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt)
         if not ids:
             raise EmptyInputError("the prompt is empty", "prompt")
+        vocab = self.tokenizer.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InputError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         plan = RequestPlan((PlanItem(Span(ids, "query"), reuse=False),), None, tenant, max_new_tokens=max_new_tokens)
         self.check_length(plan, context_limit)
         return plan

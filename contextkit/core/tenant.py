@@ -1,5 +1,6 @@
 """The tenant: whose history a request may reuse. Validated once, where a request enters, and carried
-down under this one name (the ordering tree, span keys, kvstore entries, vLLM's ``cache_salt``).
+down under this one name (the ordering tree, span keys, kvstore entries; vLLM's ``cache_salt`` is
+derived from it by ``contextkit.core.tenancy``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Tenant:
         if len(self.name) > MAX_TENANT_CHARS or _FORBIDDEN & set(self.name):
             raise InputError(
                 f"tenant {self.name[:40]!r} must be at most {MAX_TENANT_CHARS} characters without '@', '/', "
-                "'\\' or NUL (it names an ordering tree and span keys, and is sent to vLLM as cache_salt)", "tenant",
+                "'\\' or NUL (it names an ordering tree, span keys and vLLM's cache_salt)", "tenant",
             )
 
     @classmethod
@@ -38,11 +39,6 @@ class Tenant:
         if isinstance(value, Tenant):
             return value
         return cls("" if value is None else value)
-
-    @property
-    def cache_salt(self) -> str | None:
-        """What vLLM receives as ``cache_salt`` (None for the default tenant: no salt)."""
-        return self.name or None
 
     def __str__(self) -> str:
         return self.name

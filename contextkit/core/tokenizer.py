@@ -18,6 +18,11 @@ class Tokenizer:
         self.fingerprint = hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok_file.is_file() else ""
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids are in ``[0, vocab_size)``."""
+        return len(self._tok)
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 

@@ -19,14 +19,16 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from contextkit.core.errors import ContextKitError, http_status
+from contextkit.core.errors import ContextKitError, InputError, http_status
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
+from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys, load_secret
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics, route_label
 from contextkit.integrations.openai_api import error_body, json_body
@@ -36,6 +38,14 @@ from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.upstreams import UpstreamPool
 
 log = logging.getLogger("contextkit.proxy")
+SALTED = ("/v1/completions", "/v1/chat/completions")  # the routes where vLLM reads a cache_salt
+
+
+def tenancy_of(settings: ProxySettings) -> Tenancy:
+    """The proxy's tenancy: its API keys and the secret its cache salts derive from."""
+    secret_file = settings.secret_file or Path(settings.cache_dir).expanduser() / "secret"
+    return Tenancy(load_api_keys(settings.api_keys_file, settings.api_keys),
+                   load_secret(secret_file, settings.secret), settings.allow_client_tenant)
 
 
 class ProxyMetrics(ServerMetrics):
@@ -98,7 +108,9 @@ class ProxyApp:
         self.metrics = ProxyMetrics()
         self.upstreams = Upstreams(settings, self.metrics)
         self.metrics.registry.register(PoolCollector(self.upstreams.pool))
-        self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings)
+        self.tenancy = tenancy_of(settings)
+        self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings,
+                                     tenancy=self.tenancy)
         self._planner: Planner | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -151,6 +163,8 @@ class ProxyApp:
             return await send_json(send, t, 404, error_body(
                 404, f"{method} {path}: not found; the proxy serves the upstream's /v1/* routes, /tokenize, "
                      "/detokenize, /version, /health and /metrics"))
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        tenant = self.tenancy.authenticate(auth)  # 401 before anything else is read
         body = None
         if method in ("POST", "PUT", "PATCH"):
             kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
@@ -160,7 +174,14 @@ class ProxyApp:
             parsed = json_body(body) if kind.startswith(b"application/json") else {}
             if path == "/v1/chat/completions" and ("documents" in parsed or "contextkit" in parsed):
                 t["documents"] = True
-                return await documents(self.upstreams, self.planner(), scope, receive, send, parsed, t)
+                return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,
+                                       parsed, t)
+            if path in SALTED and isinstance(parsed.get("cache_salt", ""), str):
+                # the server sets the salt: the tenant's, with the client's own mixed in (never as it is)
+                parsed["cache_salt"] = self.tenancy.cache_salt(tenant, parsed.get("cache_salt"))
+                body = json.dumps(parsed).encode()
+            elif path in SALTED:
+                raise InputError("cache_salt must be a string", "cache_salt")
         await self.upstreams.passthrough(scope, receive, send, body, t)
 
     async def lifespan(self, receive, send) -> None:
@@ -204,5 +225,7 @@ def serve(settings: ProxySettings) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLogFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+    app = create_app(settings)
+    log.info({"event": "start", "tenancy": check_bind(app.tenancy, settings.host)})
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning",
                 timeout_graceful_shutdown=int(settings.graceful_shutdown_s))

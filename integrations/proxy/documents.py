@@ -15,12 +15,14 @@ import json
 
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
+from contextkit.core.tenancy import Tenancy
+from contextkit.core.tenant import Tenant
 from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
 from contextkit.integrations.upstreams import Upstream
 
 
-def completion_body(body: dict, chat: ChatBody, plan: RequestPlan) -> dict:
+def completion_body(body: dict, chat: ChatBody, plan: RequestPlan, salt: str) -> dict:
     """The ``/v1/completions`` request for a planned chat: the client's sampling fields as they are."""
     out = {k: body[k] for k in SAMPLING if k in body}
     if chat.max_completion_tokens is not None and chat.max_tokens is None:
@@ -30,8 +32,7 @@ def completion_body(body: dict, chat: ChatBody, plan: RequestPlan) -> dict:
         out["return_token_ids"] = True
     if out.get("stream"):
         out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
-    if plan.tenant.cache_salt:
-        out["cache_salt"] = plan.tenant.cache_salt
+    out["cache_salt"] = salt
     return out
 
 
@@ -44,16 +45,18 @@ def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None) -> dict
     return out
 
 
-async def documents(ups: Upstreams, planner: Planner, scope, receive, send, body: dict, t: dict) -> None:
-    """Answer a documents request (errors raised before the response starts are the caller's to send)."""
-    chat, request = parse_chat(body)
+async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: Tenant, scope, receive, send,
+                    body: dict, t: dict) -> None:
+    """Answer a documents request for ``tenant`` (its key's; errors raised before the response starts are
+    the caller's to send)."""
+    chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name))
     docs = planner.docs(request)
     u = ups.pool.route(docs, request.tenant)
     if u is None:
         ups.least_loaded()  # raises the 503
     plan = planner.plan(request, u.weaver, context_limit=await ups.model_len(u))
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
-    payload = json.dumps(completion_body(body, chat, plan)).encode()
+    payload = json.dumps(completion_body(body, chat, plan, tenancy.cache_salt(plan.tenant))).encode()
     with ups.pool.lease(u):
         resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
         if resp.status != 200:  # the upstream refused the request: its own error, as it is

@@ -14,6 +14,7 @@ import json
 import time
 
 import aiohttp
+import yarl
 
 from contextkit.core.errors import BodyTooLargeError, NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.openai_api import error_body, sse
@@ -21,6 +22,7 @@ from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
+NOT_FORWARDED = HOP | {b"authorization"}  # the client's key is for us; the upstream gets its own
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)  # what talking to an upstream can raise
 
 
@@ -88,8 +90,10 @@ class Upstreams:
         # per request (profiled); aiohttp hands out an idle connection in O(1) and parses in C
         connector = aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=30)
         timeout = aiohttp.ClientTimeout(connect=self.settings.connect_timeout_s, sock_read=self.settings.timeout_s)
+        key = self.settings.upstream_api_key
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",))
+                                             skip_auto_headers=("User-Agent",),
+                                             headers={"Authorization": f"Bearer {key}"} if key else None)
         await self.pool.check(self.session)
 
     async def close(self) -> None:
@@ -116,15 +120,16 @@ class Upstreams:
         """Open a request to ``u`` (inside its lease). A connection failure or a 5xx answer is raised
         as our 502/504."""
         t["forwarded"] = time.perf_counter()
+        target = yarl.URL(u.url + url, encoded=True)  # as the client sent it: no re-quoting of path or query
         try:
             try:
-                resp = await self.session.request(method, u.url + url, data=body, headers=headers)
+                resp = await self.session.request(method, target, data=body, headers=headers)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectorError):  # nothing listens: no retry
                     raise
                 # a pooled keep-alive connection the server had just closed: the request never reached
                 # it, so one retry on a fresh connection is safe (what every production proxy does)
-                resp = await self.session.request(method, u.url + url, data=body, headers=headers)
+                resp = await self.session.request(method, target, data=body, headers=headers)
         except UPSTREAM_ERRORS as exc:
             raise self.failure(u, exc) from None
         u.consecutive_failures = 0
@@ -154,9 +159,11 @@ class Upstreams:
     async def passthrough(self, scope, receive, send, body: bytes | None, t: dict) -> None:
         """Forward the request as it is to the least-loaded upstream and its answer as it comes."""
         u = self.least_loaded()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in HOP}
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
         headers.setdefault("content-type", "application/json")
-        url = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        # the path as the client sent it (raw: %2F stays %2F), not the decoded one routing looked at
+        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        url = path + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
         with self.pool.lease(u):
             resp = await self.start(u, scope["method"], url, headers, body, t)
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]

@@ -23,6 +23,13 @@ class ProxySettings(BaseSettings):
     health_interval_s: float = 5.0
     max_body_bytes: int = 32 << 20
     graceful_shutdown_s: float = 30.0
+    # tenancy (contextkit.core.tenancy): keys -> tenants; none = open, loopback only
+    api_keys: dict[str, str] = {}  # {"<key>": "<tenant>"}; env CONTEXTKIT_PROXY_API_KEYS='{"...": "..."}'
+    api_keys_file: Path | None = None  # a JSON file of the same shape
+    allow_client_tenant: bool = False  # let a key choose sub-tenants of its own in the request body
+    secret: str | None = None  # derives cache salts; default: a file under cache_dir, made once
+    secret_file: Path | None = None
+    upstream_api_key: str | None = None  # sent to every upstream (vLLM started with --api-key)
 
 
 def load_settings(file: Path | None = None, **flags) -> ProxySettings:

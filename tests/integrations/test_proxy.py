@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.core.tenant import Tenant
 from contextkit.integrations.process import free_port
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
         with httpx.stream(self.command, type(self).upstream + self.path, content=body, headers=headers, timeout=120) as r:
             raw = b"".join(r.iter_raw())
-        type(self).seen.append({"path": self.path, "body": body, "status": r.status_code, "answer": raw})
+        type(self).seen.append({"path": self.path, "body": body, "status": r.status_code, "answer": raw,
+                                "headers": dict(self.headers.items())})
         self.send_response(r.status_code)
         for k, v in r.headers.items():
             if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
@@ -59,7 +61,8 @@ def recorder(vllm_url):
 
 @pytest.fixture(scope="module")
 def proxy(vllm_url, config, app_thread):
-    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60)
+    # open (loopback) with client-chosen tenants: the tests play several tenants without keys
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60, allow_client_tenant=True)
     with app_thread(create_app(settings)) as p:
         yield p
 
@@ -77,8 +80,9 @@ def _docs():
 
 
 def test_passthrough_changes_nothing(recorder, config, app_thread):
-    """What the client sends reaches vLLM byte for byte, and what vLLM answers reaches the client byte for
-    byte (streamed or not): compared through a recording hop, never as two separate generations."""
+    """What the client sends reaches vLLM unchanged but for the server-set cache salt, and what vLLM
+    answers reaches the client byte for byte (streamed or not): compared through a recording hop, never
+    as two separate generations."""
     rec, hop = recorder
     with app_thread(create_app(ProxySettings(upstreams=[hop], cache_dir=config.cache_dir, timeout_s=60))) as p:
         model = httpx.get(p.url + "/v1/models").json()["data"][0]["id"]
@@ -96,9 +100,17 @@ def test_passthrough_changes_nothing(recorder, config, app_thread):
                               timeout=120) as r:
                 got = b"".join(r.iter_raw())
             (hop_saw,) = rec.seen
-            assert hop_saw["path"] == path and hop_saw["body"] == sent, path  # the request, unchanged
+            assert hop_saw["path"] == path, path
+            if path == "/tokenize":
+                assert hop_saw["body"] == sent  # byte for byte
+            else:  # the same request, with the salt the server derives for the (default) tenant
+                salt = p.app.tenancy.cache_salt(Tenant())
+                assert json.loads(hop_saw["body"]) == {**body, "cache_salt": salt}, path
             assert r.status_code == hop_saw["status"] == 200 and got == hop_saw["answer"], path  # the answer too
             assert b"[DONE]" in got if body.get("stream") else json.loads(got)
+        rec.seen.clear()
+        httpx.get(p.url + "/v1/models%2F..%2Fadmin?x=%2F")  # forwarded as sent, never percent-decoded
+        assert rec.seen[-1]["path"] == "/v1/models%2F..%2Fadmin?x=%2F"
         root = hop
         assert httpx.get(p.url + "/version").json() == httpx.get(root + "/version").json()  # any upstream route
         bad = httpx.post(p.url + "/v1/models", json={})  # the upstream's own 405, as it is
@@ -251,7 +263,9 @@ def test_upstream_down_failing_and_slow(vllm_url, config, app_thread):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir))) as p:
+        failing = ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir,
+                                allow_client_tenant=True)
+        with app_thread(create_app(failing)) as p:
             r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
             assert r.status_code == 502 and "answered 500" in r.json()["error"]["message"]
             docs = {**q, "documents": [{"id": "a", "text": "Paris is in France."}], "contextkit": {"tenant": "t"}}
@@ -308,3 +322,66 @@ def test_proxy_process_finishes_in_flight_streams_on_sigterm(vllm_url, config):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+KEYS = {"key-acme-0001": "acme", "key-globex-01": "globex"}
+
+
+def test_the_tenant_comes_from_the_api_key(recorder, config, app_thread):
+    """Keys decide tenants: no key or a wrong one is 401, a body naming a tenant is 403, a client's own
+    cache_salt and Authorization never reach vLLM, and one tenant sees nothing of another's history."""
+    rec, hop = recorder
+    settings = ProxySettings(upstreams=[hop], cache_dir=config.cache_dir, timeout_s=60, api_keys=KEYS)
+    question, docs = _docs()
+    chat = {"model": "smol", "messages": [{"role": "user", "content": question}], "max_tokens": 2,
+            "temperature": 0, "documents": docs}
+    with app_thread(create_app(settings)) as p:
+        def post(body, key=None, path="/v1/chat/completions"):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(p.url + path, json=body, headers=headers, timeout=120)
+
+        for key in (None, "key-nobody-00"):
+            r = post(chat, key)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = post({**chat, "contextkit": {"tenant": "globex"}}, "key-acme-0001")
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        rec.seen.clear()
+        r = post({"model": "smol", "prompt": "Hello", "max_tokens": 1, "cache_salt": "mine"}, "key-acme-0001",
+                 "/v1/completions")
+        assert r.status_code == 200, r.text
+        sent = rec.seen[-1]
+        salt = p.app.tenancy.cache_salt(Tenant("acme"), "mine")
+        assert json.loads(sent["body"])["cache_salt"] == salt != "mine"  # the server sets the salt
+        assert "authorization" not in {k.lower() for k in sent["headers"]}  # our client's key stays here
+        first = post(chat, "key-acme-0001").json()["contextkit"]
+        again = post({**chat, "documents": docs[::-1]}, "key-acme-0001").json()["contextkit"]
+        assert first["tenant"] == "acme" and again["reordered"] and again["cached_tokens"] > 0
+        other = post({**chat, "documents": docs[::-1]}, "key-globex-01").json()["contextkit"]
+        assert other["tenant"] == "globex" and not other["reordered"]  # nothing of acme's order...
+        assert other["cached_tokens"] == 0 and not other["expected_cached_tokens"]  # ...nor of its cache
+
+
+@pytest.fixture(scope="module")
+def keyed_vllm(smol_dir):
+    """A second real vLLM server, started with --api-key."""
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+
+    with VLLMServer(VLLMServerConfig(model_dir=smol_dir, extra_args=("--api-key", "upstream-key-1"),
+                                     max_model_len=2048, kv_cache_gib=1)) as server:
+        yield server.url
+
+
+def test_the_upstream_key_is_sent_on_every_call(keyed_vllm, config, app_thread):
+    question, docs = _docs()
+    chat = {"model": "smol", "messages": [{"role": "user", "content": question}], "max_tokens": 2,
+            "temperature": 0, "documents": docs}
+    settings = ProxySettings(upstreams=[keyed_vllm], cache_dir=config.cache_dir, upstream_api_key="upstream-key-1")
+    with app_thread(create_app(settings)) as p:
+        assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+        assert httpx.get(p.url + "/v1/models", timeout=30).status_code == 200  # pass-through too
+        long = {**chat, "documents": [{"text": "word " * 3000}]}
+        r = httpx.post(p.url + "/v1/chat/completions", json=long, timeout=120)
+        assert r.status_code == 413 and "2048" in r.json()["error"]["message"]  # its context length was read
+    without = ProxySettings(upstreams=[keyed_vllm], cache_dir=config.cache_dir)
+    with app_thread(create_app(without)) as p:
+        assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 401

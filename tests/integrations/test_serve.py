@@ -4,14 +4,16 @@ reused as spans across requests, errors as OpenAI error objects."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
 
 from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
+from contextkit.core.tenancy import Tenancy
 from contextkit.integrations.proxy import ProxySettings, create_app
-from contextkit.integrations.serve import create_serve_app
+from contextkit.integrations.serve import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def served(config, app_thread):
     kit = ContextKit(config)
-    with app_thread(create_serve_app(kit, "smol-local")) as s:
+    # open (loopback) with client-chosen tenants: the tests play several tenants without keys
+    with app_thread(create_serve_app(kit, "smol-local", Tenancy(allow_client_tenant=True))) as s:
         yield s, kit, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
     kit.close()
 
@@ -66,7 +69,8 @@ def test_every_entry_point_renders_the_same_tokens(served, vllm_url, config, app
             "documents": docs, "contextkit": {"tenant": "same-tokens"}}
     served_ids = httpx.post(s.url + "/v1/chat/completions", json={"model": "smol-local", **body},
                             timeout=120).json()["choices"][0]["prompt_token_ids"]
-    with app_thread(create_app(ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir))) as p:
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, allow_client_tenant=True)
+    with app_thread(create_app(settings)) as p:
         r = httpx.post(p.url + "/v1/chat/completions", json={"model": "smol", **body}, timeout=120)
         assert r.status_code == 200, r.text
         proxied_ids = r.json()["choices"][0]["prompt_token_ids"]  # what vLLM itself received
@@ -75,6 +79,30 @@ def test_every_entry_point_renders_the_same_tokens(served, vllm_url, config, app
     assert served_ids == proxied_ids == facade_ids
     text = kit.tokenizer.decode(facade_ids)
     assert "Which tower is in Paris?" in text and "The Eiffel Tower." in text and "Gustave Eiffel" in text
+
+
+def test_the_tenant_comes_from_the_api_key(served, app_thread, repo):
+    """With keys, serve takes the tenant from the key: 401 without one, 403 for a body naming another
+    tenant, and one tenant's spans never show up in another's reuse report."""
+    _, kit, _ = served
+    keys = {"key-acme-0001": "acme", "key-globex-01": "globex"}
+    ex = json.loads((repo / "examples" / "question.json").read_text())
+    body = {"model": "k", "max_tokens": 2, "temperature": 0, "documents": ex["documents"],
+            "messages": [{"role": "user", "content": ex["question"]}]}
+    with app_thread(create_serve_app(kit, "k", Tenancy(keys))) as s:
+        def post(b, key=None):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(s.url + "/v1/chat/completions", json=b, headers=headers, timeout=120)
+
+        r = post(body)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert post({**body, "contextkit": {"tenant": "globex"}}, "key-acme-0001").status_code == 403
+        acme = post(body, "key-acme-0001").json()["contextkit"]
+        again = post(body, "key-acme-0001").json()["contextkit"]
+        globex = post(body, "key-globex-01").json()["contextkit"]
+        assert again["span_hits"] >= len(ex["documents"]) and again["span_misses"] == 0
+        assert globex["span_hits"] == 0 and globex["span_misses"] == acme["span_misses"]  # nothing of acme's
 
 
 def test_plain_chat_completions_models_and_metrics(served):
@@ -134,3 +162,84 @@ def test_serve_command_answers_and_stops_cleanly(config):
         proc.send_signal(signal.SIGTERM)  # uvicorn drains, then re-raises the signal: exit status 143
         assert proc.wait(60) in (0, 143, -signal.SIGTERM)  # drained, then exited on the signal
         assert "Traceback" not in proc.stderr.read()
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_full_queue_is_429_and_a_client_that_hangs_up_frees_the_engine(served, app_thread):
+    """One engine, bounded: with the queue full the next client gets 429 + Retry-After at once; a client
+    that disconnects mid-stream stops its generation at the next token (counted), freeing the engine."""
+    _, kit, _ = served
+    long = {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+            "max_tokens": 2000, "temperature": 0, "stream": True}
+    with app_thread(create_serve_app(kit, "k", limits=ServeLimits(max_queue=1))) as s:
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=long, timeout=120) as r:
+            next(r.iter_lines())  # generating now
+            busy = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False}, timeout=30)
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "2"
+            assert busy.json()["error"]["type"] == "rate_limit_error"
+        # hung up after the first event: the job must end long before 2000 tokens (~2 min on this CPU)
+        pending = s.app.state.pending
+        for _ in range(600):
+            if not pending:
+                break
+            time.sleep(0.05)
+        assert not pending
+        assert _metric(s.url, "contextkit_serve_cancelled_total", '{why="disconnect"}') == 1
+        ok = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+
+
+def test_a_request_past_its_deadline_is_stopped(served, app_thread):
+    _, kit, _ = served
+    body = {"model": "k", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 500,
+            "temperature": 0}
+    with app_thread(create_serve_app(kit, "k", limits=ServeLimits(deadline_s=0.5))) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        errors = [json.loads(e[5:]) for e in events if '"error"' in e]
+        assert errors and errors[0]["error"]["code"] == 504 and events[-1] == "data: [DONE]"
+        assert _metric(s.url, "contextkit_serve_cancelled_total", '{why="deadline"}') == 2
+
+
+MALFORMED = [  # each was a 500 or a hang before: every one must get a 4xx OpenAI error, at once
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stop": [1], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "seed": "x", "stream": True}),
+    ("/v1/completions", {"prompt": [100000000000000000000], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": [-1], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": [10 ** 6], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "max_tokens": "a"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "max_tokens": [1]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stream_options": "x"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stop": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stop": ["a"] * 17}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                              "documents": [{"text": "x"}] * 1025}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q\x00contextkit-documents\x00"}],
+                              "documents": [{"text": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+]
+
+
+def test_client_mistakes_are_4xx_never_500_or_a_hang(served):
+    s, _, _ = served
+    bodies = [(path, json.dumps(body).encode()) for path, body in MALFORMED]
+    bodies += [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}], "max_tokens": 1e999}'),
+               ("/v1/chat/completions", b"[" * 3000),
+               ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "q"}], '
+                                        b'"documents": [{"text": "\\ud800"}]}')]
+    for path, raw in bodies:
+        r = httpx.post(s.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        assert 400 <= r.status_code < 500, (raw[:80], r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == r.status_code, raw[:80]
+    ok = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smol-local", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]}]})  # content parts: valid
+    assert ok.status_code == 200, ok.text

@@ -10,6 +10,9 @@ import torch
 from contextkit.kvstore.entry import make_entry
 
 
+MAC = bytes(range(32))  # the tests' deployment key for entry MACs
+
+
 @dataclass(frozen=True, slots=True)
 class Key:
     digest: str

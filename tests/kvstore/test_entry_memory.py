@@ -14,20 +14,20 @@ from contextkit.kvstore.entry import decode, encode_bytes
 from contextkit.kvstore.memory import MemoryTier
 from contextkit.core.errors import ConfigError
 
-from kvhelpers import entry, key, same
+from kvhelpers import MAC, entry, key, same
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_is_bit_exact(dtype):
     k = key("a")
     e = entry(k, 33, dtype)
-    back = decode(encode_bytes(e), k)
+    back = decode(encode_bytes(e, MAC), k, MAC)
     assert same(back, e) and back.meta == e.meta
 
 
 def test_every_damage_is_refused():
     k = key("a")
-    data = encode_bytes(entry(k, 16))
+    data = encode_bytes(entry(k, 16), MAC)
     flipped = bytearray(data)
     flipped[-5] ^= 0x10
     cases = {
@@ -36,12 +36,12 @@ def test_every_damage_is_refused():
     }  # fmt: skip
     for name, bad in cases.items():
         with pytest.raises(CorruptEntryError):
-            decode(bad, k)
-        assert decode(data, k).meta.digest == k.digest, name  # the good bytes still decode: only damage fails
+            decode(bad, k, MAC)
+        assert decode(data, k, MAC).meta.digest == k.digest, name  # the good bytes still decode: only damage fails
     with pytest.raises(CorruptEntryError, match="another key"):
-        decode(data, key("b"))
+        decode(data, key("b"), MAC)
     with pytest.raises(CorruptEntryError, match="another key"):
-        decode(data, key("a", tenant="other-tenant").__class__(k.digest, "other-tenant"))
+        decode(data, key("a", tenant="other-tenant").__class__(k.digest, "other-tenant"), MAC)
 
 
 def test_memory_tier_budget_and_lru_at_equal_cost():

@@ -19,7 +19,7 @@ from contextkit.integrations.services import lmcache_server, redis_server
 from contextkit.integrations.vllm_server import free_port
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig, lmcache_config
 
-from kvhelpers import Key, entry, key, same
+from kvhelpers import MAC, Key, entry, key, same
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -38,10 +38,10 @@ def finishes(fn, within_s: float = 60.0):
 @pytest.fixture
 def tiers(tmp_path, redis_url, lmcache_url):
     made = {
-        "cpu": LMCacheTier(LMCacheTierConfig("cpu", max_bytes=256 << 20)),
-        "disk": LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path / "disk")),
-        "redis": LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url)),
-        "lm": LMCacheTier(LMCacheTierConfig("remote", remote_url=lmcache_url)),
+        "cpu": LMCacheTier(LMCacheTierConfig("cpu", max_bytes=256 << 20, mac_key=MAC)),
+        "disk": LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path / "disk", mac_key=MAC)),
+        "redis": LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC)),
+        "lm": LMCacheTier(LMCacheTierConfig("remote", remote_url=lmcache_url, mac_key=MAC)),
     }
     yield made
     for t in made.values():
@@ -64,15 +64,16 @@ def test_every_backend_round_trips_bit_exact_and_keeps_tenants_apart(tiers, tmp_
 
 def test_config_maps_onto_lmcache_keys(tmp_path):
     """LMCache's from_defaults ignores unknown keys silently: check the ones we set took effect."""
-    disk = lmcache_config(LMCacheTierConfig("disk", max_bytes=3 << 30, disk_dir=tmp_path))
+    disk = lmcache_config(LMCacheTierConfig("disk", max_bytes=3 << 30, disk_dir=tmp_path, mac_key=MAC))
     assert disk.local_disk == str(tmp_path) and disk.max_local_disk_size == 3.0 and not disk.local_cpu
-    remote = lmcache_config(LMCacheTierConfig("remote", remote_url="redis://127.0.0.1:1", timeout_s=4))
+    remote = lmcache_config(LMCacheTierConfig("remote", remote_url="redis://127.0.0.1:1", timeout_s=4, mac_key=MAC))
     assert remote.remote_url.startswith("redis://127.0.0.1:1?socket_timeout=2.0")
     assert remote.blocking_timeout_secs == 4 and remote.remote_serde == "naive"
     for bad in (dict(kind="nope"), dict(kind="disk"), dict(kind="remote", remote_url="http://x:1"),
-                dict(kind="remote", remote_url="redis://nohostport")):
+                dict(kind="remote", remote_url="redis://nohostport"), dict(kind="cpu", mac_key=b""),
+                dict(kind="cpu", mac_key=b"short")):
         with pytest.raises(ConfigError):
-            LMCacheTierConfig(**bad)
+            LMCacheTierConfig(**{"mac_key": MAC, **bad})
 
 
 def test_a_colliding_chunk_hash_is_a_miss_not_a_wrong_entry(tiers):
@@ -92,9 +93,9 @@ CHILD = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from pathlib import Path
-from kvhelpers import entry, key
+from kvhelpers import MAC, entry, key
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
-tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=Path({disk!r})))
+tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=Path({disk!r}), mac_key=MAC))
 k = key("shared")
 if sys.argv[1] == "write":
     tier.put(k, entry(k, 50, seed=int(sys.argv[2])))
@@ -135,7 +136,7 @@ def test_two_processes_writing_one_key_leave_one_good_entry(tmp_path):
 
 def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp_path):
     disk = tmp_path / "disk"
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
     try:
         ks = [key(f"f{i}") for i in range(3)]
         for i, k in enumerate(ks):
@@ -149,7 +150,7 @@ def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp
     files[ks[0]].write_bytes(bytes(data))
     files[ks[1]].write_bytes(files[ks[1]].read_bytes()[:1000])  # truncated (a crash mid-write)
     (disk / ".tmp-dead.part").write_bytes(b"partial")  # an atomic write that never finished
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
     try:
         assert not (disk / ".tmp-dead.part").exists()
         assert tier.get(ks[0]) is None and tier.get(ks[1]) is None
@@ -168,7 +169,7 @@ def test_disk_full_is_a_miss_not_a_crash(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     try:
-        tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=mnt))
+        tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=mnt, mac_key=MAC))
         try:
             big, small = key("big"), key("small")
             tier.put(big, entry(big, 200))  # ~4.6 MB of KV on a 1 MB filesystem: the write fails
@@ -191,7 +192,7 @@ def test_disk_full_is_a_miss_not_a_crash(tmp_path):
 @pytest.mark.parametrize("make", [redis_server, lmcache_server], ids=["redis", "lmcache_server"])
 def test_remote_down_at_start_killed_mid_run_and_back(make):
     port = free_port()
-    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.5))
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.5, mac_key=MAC))
     try:
         k = key("remote")
         e = entry(k, 50)
@@ -232,7 +233,7 @@ def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tm
     """A get hands out views of LMCache's pool buffer without a copy. The buffer returns to the pool
     when the last tensor over it is freed, so a small pool serves many gets, and a tensor someone still
     holds is never overwritten by a later get."""
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, pool_bytes=32 << 20))  # ~6 entries
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, pool_bytes=32 << 20, mac_key=MAC))  # ~6 entries
     try:
         ks = [key(f"b{i}") for i in range(3)]
         for i, k in enumerate(ks):
@@ -251,3 +252,35 @@ def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tm
         assert not kept.borrowed and kept.tensors["k"].data_ptr() != held[0].data_ptr()
     finally:
         finishes(tier.close, 30)
+
+
+def test_forged_entries_are_never_served(tmp_path):
+    """Whoever can write the shared bytes but lacks the deployment's secret cannot get an entry served:
+    a copied header over swapped tensors with a recomputed checksum fails the MAC, is dropped, counted
+    and recomputed; a tier keyed by another deployment's secret reads nothing of ours."""
+    from contextkit.kvstore.entry import decode, encode_bytes
+
+    disk = tmp_path / "disk"
+    k = key("victim")
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    try:
+        tier.put(k, entry(k, 40, seed=1))
+        assert tier.wait_visible(k)
+        path = Path(tier._disk()._key_to_path(tier._key(k)))
+    finally:
+        tier.close()
+    forged = encode_bytes(entry(k, 40, seed=99), bytes(32))  # valid layout and checksum, attacker's key
+    assert decode(forged, k, bytes(32)).meta.digest == k.digest  # well-formed: only the MAC gives it away
+    path.write_bytes(forged)
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    try:
+        assert tier.get(k) is None and tier.stats()["corrupt"] == 1 and not path.exists()
+        tier.put(k, entry(k, 40, seed=1))  # recomputed
+        assert tier.wait_visible(k) and same(tier.get(k), entry(k, 40, seed=1))
+    finally:
+        tier.close()
+    other = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=bytes(range(1, 33))))
+    try:
+        assert other.get(k) is None and other.stats()["corrupt"] == 1  # another deployment's key
+    finally:
+        other.close()

@@ -15,7 +15,7 @@ from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 from contextkit.kvstore.memory import MemoryTier
 from contextkit.kvstore.tiered import TieredStore, build_store
 
-from kvhelpers import entry, key, same
+from kvhelpers import MAC, entry, key, same
 
 from contextkit.kvstore.metrics import StoreCollector
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_promotion_on_hit_and_write_through(tmp_path):
-    disk = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path))
+    disk = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, mac_key=MAC))
     mem = MemoryTier()
     with TieredStore([mem, disk]) as store:
         k, e = key("a"), entry(key("a"), 32)
@@ -40,7 +40,7 @@ def test_promotion_on_hit_and_write_through(tmp_path):
 
 
 def test_build_store_and_bad_config(tmp_path, redis_url):
-    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url))
+    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url), MAC)
     try:
         assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
     finally:
@@ -63,7 +63,7 @@ from contextkit.spans.assemble import SpanCache
 from contextkit.spans.store import KVSpanStore
 from contextkit.core.types import Span
 disk, remote = sys.argv[2] or None, sys.argv[3] or None
-store = KVSpanStore(build_store(KVStoreConfig(disk_dir=disk, remote_url=remote)))
+store = KVSpanStore(build_store(KVStoreConfig(disk_dir=disk, remote_url=remote), bytes(range(32))))
 cache = SpanCache(Engine.from_dir(Path(sys.argv[1])), store=store, tokenizer_fingerprint="t")
 span = Span(tuple(range(1000, 1200)))
 compiled, hit = cache.compiled(span, tenant="acme")

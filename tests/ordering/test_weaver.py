@@ -169,3 +169,19 @@ def test_greedy_lookup_ignores_tree_paths_outside_the_request():
     w.order(_docs("abc"))
     got = w.order(_docs("bca"))
     assert ["bca"[i] for i in got.order] == list("abc") and got.matched_docs == 3
+
+
+def test_memory_is_bounded_by_tenants_and_id_length():
+    w = Weaver(block_size=1, max_tenants=3)
+    for i in range(10):
+        w.order(_docs("ab"), tenant=f"peek{i}", record=False)  # asking creates nothing
+    assert w.tenants == 0
+    for t in ("t1", "t2", "t3"):
+        w.order(_docs("ab"), tenant=t)
+    w.order(_docs("ab"), tenant="t1")  # t1 used again: t2 is now the least recent
+    w.order(_docs("ab"), tenant="t4")
+    assert w.tenants == 3
+    assert w.order(_docs("ba"), tenant="t1", record=False).matched_docs == 2  # kept
+    assert w.order(_docs("ba"), tenant="t2", record=False).matched_docs == 0  # dropped, starts afresh
+    with pytest.raises(InputError, match="over 256"):
+        w.order([Doc("x" * 257, 4)])
