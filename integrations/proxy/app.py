@@ -176,12 +176,13 @@ class ProxyApp:
                 t["documents"] = True
                 return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,
                                        parsed, t)
-            if path in SALTED and isinstance(parsed.get("cache_salt", ""), str):
+            if path in SALTED and kind.startswith(b"application/json"):
                 # the server sets the salt: the tenant's, with the client's own mixed in (never as it is)
-                parsed["cache_salt"] = self.tenancy.cache_salt(tenant, parsed.get("cache_salt"))
+                own = parsed.get("cache_salt")
+                if own is not None and not isinstance(own, str):
+                    raise InputError("cache_salt must be a string", "cache_salt")
+                parsed["cache_salt"] = self.tenancy.cache_salt(tenant, own)
                 body = json.dumps(parsed).encode()
-            elif path in SALTED:
-                raise InputError("cache_salt must be a string", "cache_salt")
         await self.upstreams.passthrough(scope, receive, send, body, t)
 
     async def lifespan(self, receive, send) -> None:
