@@ -274,16 +274,16 @@ def serve_cmd(
     import uvicorn
 
     from contextkit.core.config import KVStoreConfig
-    from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys, load_secret
+    from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys
     from contextkit.integrations.serve import create_serve_app
     from contextkit.kit import ContextKit
 
     try:
-        keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
-        tenancy = Tenancy(keys, load_secret(Path(cache_dir).expanduser() / "secret"), allow_client_tenant)
-        err.print(check_bind(tenancy, host))
         config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url))
+        keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
+        tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
+        err.print(check_bind(tenancy, host))
         status, update = _status(err)
         with status:
             update("loading model")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from contextkit.core.errors import ConfigError, InputError, MalformedBodyError, http_status
+from contextkit.core.errors import BodyTooLargeError, ConfigError, InputError, MalformedBodyError, http_status
 from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.planner import ChatRequest
@@ -149,6 +149,26 @@ def validate(model: type[BaseModel], body: dict) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+class ClientGone(Exception):
+    """The client hung up before its request body arrived."""
+
+
+async def read_body(receive, limit: int) -> bytes:
+    """The whole request body; ``BodyTooLargeError`` once it passes ``limit`` bytes."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
+        parts.append(part)
+        if not message.get("more_body"):
+            return b"".join(parts)
 
 
 def json_body(raw: bytes) -> dict:

@@ -26,13 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from contextkit.core.errors import (
-    BodyTooLargeError, ConfigError, ContextKitError, DeadlineExceededError, InputError, OverloadedError, http_status,
+    ConfigError, ContextKitError, DeadlineExceededError, InputError, OverloadedError, http_status,
 )  # fmt: skip
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.openai_api import (
-    CompletionBody, chunk, completion, error_body, json_body, new_id, parse_chat, sse, usage, validate,
+    ClientGone, CompletionBody, chunk, completion, error_body, json_body, new_id, parse_chat, read_body, sse, usage,
+    validate,
 )  # fmt: skip
 from contextkit.kvstore.metrics import StoreCollector
 
@@ -242,13 +243,12 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
 
     async def body_of(request: Request) -> dict:
         """The JSON body, read up to ``limits.max_body_bytes`` (413 past it)."""
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limits.max_body_bytes:
-                raise BodyTooLargeError(f"request body is over the limit of {limits.max_body_bytes} bytes")
-            parts.append(part)
-        return json_body(b"".join(parts))
+        return json_body(await read_body(request.receive, limits.max_body_bytes))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):  # nobody reads this answer
+        metrics.request(request.url.path, 499)
+        return Response(status_code=499)
 
     def caller(request: Request) -> Tenant:
         return tenancy.authenticate(request.headers.get("authorization"))

@@ -116,10 +116,6 @@ class VLLMServer:
                                       log_file=c.log_file, startup_timeout_s=c.startup_timeout_s)
         self.process.launch()
 
-    @property
-    def proc(self):
-        return None if self.process is None else self.process.proc
-
     def wait(self) -> None:
         """Block until ``/health`` answers; stop the server and raise if it dies or times out."""
         if self.process is None:

@@ -75,6 +75,6 @@ class ContextKitConfig:
 
     def load_secret(self) -> bytes:
         """The deployment secret (``contextkit.core.tenancy.load_secret``)."""
-        from contextkit.core.tenancy import load_secret
+        from contextkit.core.tenancy import deployment_secret
 
-        return load_secret(self.cache_dir / "secret", self.secret)
+        return deployment_secret(self.cache_dir, self.secret)

@@ -291,7 +291,8 @@ def weights_digest(model_dir: Path | str) -> str:
     """
     model_dir = Path(model_dir)
     files = _weight_files(model_dir)
-    stamp = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()}
+    stats = {f.name: f.stat() for f in files if f.is_file()}
+    stamp = {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
     cached_path = model_dir / WEIGHTS_DIGEST
     try:
         cached = json.loads(cached_path.read_text())
@@ -301,9 +302,9 @@ def weights_digest(model_dir: Path | str) -> str:
         pass
     whole = hashlib.sha256()
     for f in files:
-        if not f.is_file():
+        if f.name not in stats:
             continue
-        whole.update(f"{f.name}:{f.stat().st_size}:".encode())  # file boundaries are part of the digest
+        whole.update(f"{f.name}:{stats[f.name].st_size}:".encode())  # file boundaries are part of the digest
         with f.open("rb") as fh:
             while block := fh.read(1 << 22):
                 whole.update(block)

@@ -31,6 +31,7 @@ from contextkit.core.errors import AuthenticationError, ConfigError, PermissionD
 from contextkit.core.tenant import MAX_TENANT_CHARS, Tenant
 
 SECRET_BYTES = 32
+SECRET_FILE = "secret"  # under the cache dir, unless a path is configured
 
 
 def derive(secret: bytes, purpose: str) -> bytes:
@@ -60,6 +61,11 @@ def load_secret(path: Path | str | None = None, value: str | None = None) -> byt
         raise ConfigError(f"the secret file {path} holds {len(data)} bytes, fewer than {SECRET_BYTES}; delete it "
                           "to have a new one made, or write a longer secret")
     return data
+
+
+def deployment_secret(cache_dir: Path | str, value: str | None = None, path: Path | str | None = None) -> bytes:
+    """The deployment's secret: ``value``, else the file at ``path`` (default ``<cache_dir>/secret``)."""
+    return load_secret(path or Path(cache_dir).expanduser() / SECRET_FILE, value)
 
 
 def load_api_keys(file: Path | str | None = None, keys: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -98,7 +104,6 @@ class Tenancy:
             except Exception as exc:  # an InputError about the name, reported as the operator's to fix
                 raise ConfigError(f"API key for tenant {name!r}: {exc}") from None
         self._salt_key = derive(secret or load_secret(), "cache-salt")
-        self.secret = secret
         self.allow_client_tenant = allow_client_tenant
 
     @property

@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from prometheus_client import Counter
@@ -28,12 +27,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from contextkit.core.errors import ContextKitError, InputError, http_status
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
-from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys, load_secret
+from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics, route_label
-from contextkit.integrations.openai_api import error_body, json_body
+from contextkit.integrations.openai_api import ClientGone, error_body, json_body, read_body
 from contextkit.integrations.proxy.documents import documents
-from contextkit.integrations.proxy.relay import ClientGone, Upstreams, describe, read_body, send_json
+from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.upstreams import UpstreamPool
 
@@ -43,9 +42,8 @@ SALTED = ("/v1/completions", "/v1/chat/completions")  # the routes where vLLM re
 
 def tenancy_of(settings: ProxySettings) -> Tenancy:
     """The proxy's tenancy: its API keys and the secret its cache salts derive from."""
-    secret_file = settings.secret_file or Path(settings.cache_dir).expanduser() / "secret"
-    return Tenancy(load_api_keys(settings.api_keys_file, settings.api_keys),
-                   load_secret(secret_file, settings.secret), settings.allow_client_tenant)
+    secret = deployment_secret(settings.cache_dir, settings.secret, settings.secret_file)
+    return Tenancy(load_api_keys(settings.api_keys_file, settings.api_keys), secret, settings.allow_client_tenant)
 
 
 class ProxyMetrics(ServerMetrics):
@@ -100,7 +98,6 @@ class JsonLogFormatter(logging.Formatter):
 class ProxyApp:
     """The ASGI application (``uvicorn`` serves it; tests run it in a thread)."""
 
-    OURS = ("/health", "/metrics")
     UPSTREAM = ("/v1/", "/tokenize", "/detokenize", "/version")
 
     def __init__(self, settings: ProxySettings):

@@ -80,9 +80,13 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {})))
 
 
+def _chat_id(obj: dict) -> str:
+    return "chatcmpl-" + str(obj.get("id", "")).removeprefix("cmpl-")
+
+
 def chat_from_completion(resp: dict, ext: dict) -> dict:
     """A ``text_completion`` response as a ``chat.completion`` one, with our extension field."""
-    rid = "chatcmpl-" + str(resp.get("id", "")).removeprefix("cmpl-")
+    rid = _chat_id(resp)
     choices = [(c.get("index", 0), c.get("text", ""), c.get("finish_reason"),
                 {"prompt_token_ids": c["prompt_token_ids"]} if "prompt_token_ids" in c else {})  # return_token_ids
                for c in resp.get("choices") or ()]
@@ -114,6 +118,6 @@ async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan,
                 ups.first_bytes(t)
             use = obj.get("usage")
             ups.metrics.usage(use)
-            out = chunk("chatcmpl-" + str(obj.get("id", "")).removeprefix("cmpl-"), obj.get("model"), True, deltas,
+            out = chunk(_chat_id(obj), obj.get("model"), True, deltas,
                         obj.get("created"), use, extension(plan, u, use) if use else None)
             await send({"type": "http.response.body", "body": sse(out), "more_body": True})

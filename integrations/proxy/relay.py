@@ -16,7 +16,7 @@ import time
 import aiohttp
 import yarl
 
-from contextkit.core.errors import BodyTooLargeError, NoUpstreamError, UpstreamError, UpstreamTimeoutError
+from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.openai_api import error_body, sse
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
@@ -28,26 +28,6 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)  # what talking to an upst
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-class ClientGone(Exception):
-    """The client hung up before its request body arrived."""
-
-
-async def read_body(receive, limit: int) -> bytes:
-    """The whole request body; ``BodyTooLargeError`` once it passes ``limit`` bytes."""
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        part = message.get("body", b"")
-        size += len(part)
-        if size > limit:
-            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
-        parts.append(part)
-        if not message.get("more_body"):
-            return b"".join(parts)
 
 
 async def send_json(send, t: dict, status: int, obj: dict, headers: list | None = None) -> None:
