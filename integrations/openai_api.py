@@ -11,6 +11,7 @@ Errors: OpenAI error objects, the status decided by ``contextkit.core.errors.htt
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from contextkit.core.errors import BodyTooLargeError, ConfigError, InputError, MalformedBodyError, http_status
+from contextkit.core.errors import (
+    AuthenticationError, BodyTooLargeError, ConfigError, InputError, MalformedBodyError, OverloadedError, http_status,
+)  # fmt: skip
 from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.planner import ChatRequest
@@ -91,7 +94,7 @@ class ContextkitOptions(_Strict):
 class _Sampling(BaseModel):
     """The sampling fields of chat and text completions (vLLM's names)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # json.loads reads NaN, Infinity
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -180,7 +183,40 @@ def json_body(raw: bytes) -> dict:
         raise MalformedBodyError(f"request body is not valid JSON{where}") from exc
     if not isinstance(body, dict):
         raise MalformedBodyError("request body must be a JSON object")
+    check_values(raw, body)
     return body
+
+
+_SUSPECT = re.compile(rb"\\u[dD][89a-fA-F]|\d{19}")  # a surrogate escape, or a number of 19+ digits
+INT64 = 1 << 63
+
+
+def check_values(raw: bytes, parsed) -> None:
+    """Refuse a JSON body holding a lone surrogate (``"\\ud800"``: valid JSON, not valid UTF-8) or an
+    integer outside 64 bits (vLLM cannot pass one to its engine and answers 500) anywhere in it. Only a
+    body whose bytes hold either at all is walked."""
+    if not _SUSPECT.search(raw):
+        return
+    stack = [parsed]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            _utf8_or_input_error(v)
+        elif type(v) is int and not -INT64 <= v < INT64:
+            raise InputError(f"the integer {str(v)[:30]}... in the request body does not fit in 64 bits")
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                _utf8_or_input_error(k)
+                stack.append(item)
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def _utf8_or_input_error(v: str) -> None:
+    try:
+        _utf8(v)
+    except ValueError as exc:
+        raise InputError(f"a string in the request body {exc}") from None
 
 
 def _validation_error(exc: ValidationError) -> InputError:
@@ -247,6 +283,16 @@ def error_body(status_or_exc: int | BaseException, message: str | None = None, p
             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
             502: "upstream_error", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")  # fmt: skip
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """The headers an error answer carries beside its body: ``WWW-Authenticate`` on a 401 (RFC 9110 asks
+    for it; OpenAI clients key on the status) and ``Retry-After`` on a 429."""
+    if isinstance(exc, AuthenticationError):
+        return {"www-authenticate": 'Bearer realm="contextkit"'}
+    if isinstance(exc, OverloadedError):
+        return {"retry-after": str(max(1, round(exc.retry_after_s)))}
+    return {}
 
 
 class _Out(BaseModel):

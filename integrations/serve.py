@@ -15,9 +15,9 @@ queue, planning and all, on the engine thread, and streams are fed from it as to
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
+import contextlib
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,19 +26,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from contextkit.core.errors import (
-    ConfigError, ContextKitError, DeadlineExceededError, InputError, OverloadedError, http_status,
+    ConfigError, ContextKitError, InputError, OverloadedError, http_status,
 )  # fmt: skip
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.openai_api import (
-    ClientGone, CompletionBody, chunk, completion, error_body, json_body, new_id, parse_chat, read_body, sse, usage,
+    ClientGone, CompletionBody, chunk, completion, error_body, error_headers, json_body, new_id, parse_chat, read_body, sse, usage,
     validate,
 )  # fmt: skip
+from contextkit.integrations.openapi import openapi_schema
+from contextkit.integrations.scheduler import FairScheduler, Job
 from contextkit.kvstore.metrics import StoreCollector
-
-_DONE = object()
-
 
 @dataclass(frozen=True, slots=True)
 class ServeLimits:
@@ -46,71 +45,23 @@ class ServeLimits:
 
     Attributes:
         max_queue: requests waiting for or on the engine; one more gets 429 with ``Retry-After``.
+        max_queue_per_tenant: the same, for one tenant (so one tenant cannot fill the queue).
+        max_active: requests decoding in turns at once (each holds its KV); the others wait their turn.
         deadline_s: a request's longest time from arrival to its last token (then 504, or an error event).
         max_body_bytes: a larger request body gets 413.
         retry_after_s: what a 429 tells the client to wait.
     """
 
     max_queue: int = 32
+    max_queue_per_tenant: int = 8
+    max_active: int = 8
     deadline_s: float = 300.0
     max_body_bytes: int = 8 << 20
     retry_after_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.deadline_s <= 0 or self.max_body_bytes < 1:
+        if min(self.max_queue, self.max_queue_per_tenant, self.max_active, self.max_body_bytes) < 1 or self.deadline_s <= 0:
             raise ConfigError("serve limits must be positive")
-
-
-class Job:
-    """One request on the engine thread: planned, then decoded delta by delta into a queue the event loop
-    reads. It stops at the next token once ``cancel`` is set (the client is gone) or past ``deadline``;
-    ``stopped`` says which (counted by the server)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, make: Callable, deadline: float):
-        self.loop, self.make, self.deadline = loop, make, deadline
-        self.stopped: str | None = None
-        self.cancel = threading.Event()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def _put(self, kind: str, value=None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-
-    def run(self) -> None:  # on the engine thread
-        try:
-            if self.cancel.is_set():
-                return
-            if time.monotonic() > self.deadline:
-                self.stopped = "deadline"
-                raise DeadlineExceededError("the request waited past its deadline; retry when the server is less busy")
-            stream = self.make()  # planning and the prompt (or the span assembly)
-            self._put("planned", stream)
-            for delta in stream:
-                if self.cancel.is_set():
-                    if stream.result is None:
-                        self.stopped = "disconnect"
-                    return
-                if time.monotonic() > self.deadline:
-                    self.stopped = "deadline"
-                    raise DeadlineExceededError("the request ran past its deadline and was stopped; ask for "
-                                                "fewer tokens or retry when the server is less busy")
-                self._put("delta", delta)
-        except Exception as exc:  # noqa: BLE001 - every failure reaches the client as an OpenAI error
-            self._put("error", exc if isinstance(exc, ContextKitError) else ContextKitError(f"engine error: {exc}"))
-        finally:
-            self._put("done")
-
-    async def next(self) -> tuple[str, object]:
-        return await self.queue.get()
-
-    async def next_or_disconnect(self, request: Request, poll_s: float = 0.25) -> tuple[str, object]:
-        """The next item; a client that hung up cancels the job (the engine stops at its next token)."""
-        while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), poll_s)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel.set()
-                    return ("done", None)
 
 
 def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
@@ -122,8 +73,16 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     """
     tenancy = tenancy or Tenancy()
     pending: set[Job] = set()  # queued or running on the engine thread
-    app = FastAPI(title="contextkit serve")
-    worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    per_tenant: Tally = Tally()
+    scheduler = FairScheduler(limits.max_active)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        scheduler.close()  # jobs still there end with their clients' answers
+
+    app = FastAPI(title="contextkit serve", lifespan=lifespan)
+    app.openapi = lambda: openapi_schema("serve")  # the bodies are parsed by hand: describe them ourselves
     metrics = ServerMetrics("contextkit_serve")
     span_tokens = Counter("contextkit_serve_span_tokens", "prompt tokens of span-reuse requests, by what was done",
                           ("kind",), registry=metrics.registry)
@@ -152,23 +111,34 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 
-    async def run(make: Callable, body, request: Request, route: str, chat: bool):
-        """Queue the request for the engine thread (429 when the queue is full), then answer, streaming
-        or not. The engine stops at the next token once the client is gone or the deadline passed."""
-        if len(pending) >= limits.max_queue:
-            raise OverloadedError(f"{len(pending)} requests are waiting for the engine; retry shortly",
+    async def run(make: Callable, body, request: Request, route: str, chat: bool, tenant: Tenant):
+        """Queue the request for the engine thread (429 when the queue, or the tenant's share of it, is
+        full), then answer, streaming or not. The request ends at its next turn once the client is gone or
+        the deadline passed."""
+        if len(pending) >= limits.max_queue or per_tenant[tenant] >= limits.max_queue_per_tenant:
+            mine = per_tenant[tenant] >= limits.max_queue_per_tenant
+            raise OverloadedError(f"{per_tenant[tenant] if mine else len(pending)} requests "
+                                  f"{'of this tenant ' if mine else ''}are waiting for the engine; retry shortly",
                                   retry_after_s=limits.retry_after_s)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        job = Job(loop, make, time.monotonic() + limits.deadline_s)
-        pending.add(job)
+        job = Job(loop, make, time.monotonic() + limits.deadline_s, tenant)
 
-        def finished(_) -> None:
+        def finished(_) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(release, job)
+
+        def release(job: Job) -> None:
             pending.discard(job)
+            per_tenant[job.tenant] -= 1
+            if not per_tenant[job.tenant]:
+                del per_tenant[job.tenant]
             if job.stopped:
                 cancelled.labels(job.stopped).inc()
 
-        loop.run_in_executor(worker, job.run).add_done_callback(finished)
+        job.on_done = finished
+        scheduler.submit(job)  # its release runs on this loop, so after the two lines below
+        pending.add(job)
+        per_tenant[tenant] += 1
         try:
             kind, value = await job.next_or_disconnect(request)  # planned (or refused), maybe after a wait
         except BaseException:
@@ -233,8 +203,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     @app.exception_handler(ContextKitError)
     async def _error(request: Request, exc: ContextKitError):
         response = fail(exc, request.url.path)
-        if isinstance(exc, OverloadedError):
-            response.headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
+        response.headers.update(error_headers(exc))
         return response
 
     @app.get("/health")
@@ -249,6 +218,11 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     async def _gone(request: Request, exc: ClientGone):  # nobody reads this answer
         metrics.request(request.url.path, 499)
         return Response(status_code=499)
+
+    def sampling(body):
+        if body.n not in (None, 1):
+            raise InputError(f"n={body.n}: serve answers one choice per request; send {body.n} requests", "n")
+        return body.sampling()
 
     def caller(request: Request) -> Tenant:
         return tenancy.authenticate(request.headers.get("authorization"))
@@ -274,24 +248,25 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         tenant = caller(request)
         body, req = parse_chat(await body_of(request), lambda name: tenancy.resolve(tenant, name),
                                allow_reuse=True, default_max_tokens=256)
-        params = body.sampling()
-        return await run(lambda: kit.run(kit.plan(req), params), body, request, "/v1/chat/completions", chat=True)
+        params = sampling(body)
+        return await run(lambda: kit.run(kit.plan(req), params), body, request, "/v1/chat/completions", chat=True,
+                         tenant=req.tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         tenant = caller(request)
         body: CompletionBody = validate(CompletionBody, await body_of(request))
-        params = body.sampling()
+        params = sampling(body)
 
         def make():
             plan = kit.planner.plan_prompt(body.prompt, tenant, max_new_tokens=params.max_new_tokens)
             return kit.run(plan, params)
 
-        return await run(make, body, request, "/v1/completions", chat=False)
+        return await run(make, body, request, "/v1/completions", chat=False, tenant=tenant)
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
-    app.state.kit, app.state.tenancy, app.state.pending = kit, tenancy, pending
+    app.state.kit, app.state.tenancy, app.state.pending, app.state.scheduler = kit, tenancy, pending, scheduler
     return app

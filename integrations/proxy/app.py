@@ -30,7 +30,7 @@ from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics, route_label
-from contextkit.integrations.openai_api import ClientGone, error_body, json_body, read_body
+from contextkit.integrations.openai_api import ClientGone, error_body, error_headers, json_body, read_body
 from contextkit.integrations.proxy.documents import documents
 from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
 from contextkit.integrations.proxy.settings import ProxySettings
@@ -135,7 +135,8 @@ class ProxyApp:
             if not isinstance(exc, ContextKitError):
                 log.exception("proxy error")
             if "status" not in t:  # nothing sent yet
-                await send_json(send, t, http_status(exc), error_body(exc, message=_message(exc)))
+                headers = [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
+                await send_json(send, t, http_status(exc), error_body(exc, message=_message(exc)), headers)
             elif http_status(exc) >= 500:
                 log.warning({"route": route, "error": describe(exc)})
         finally:
@@ -169,6 +170,10 @@ class ProxyApp:
             # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
             # (multipart audio uploads, ...) go as they are
             parsed = json_body(body) if kind.startswith(b"application/json") else {}
+            n = parsed.get("n")
+            if path in SALTED and type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
+                raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
+                                 "several requests, or ask the operator to raise max_n", "n")
             if path == "/v1/chat/completions" and ("documents" in parsed or "contextkit" in parsed):
                 t["documents"] = True
                 return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,

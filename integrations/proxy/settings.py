@@ -22,6 +22,7 @@ class ProxySettings(BaseSettings):
     cache_dir: Path = Path("~/.cache/contextkit")
     health_interval_s: float = 5.0
     max_body_bytes: int = 32 << 20
+    max_n: int = 16  # choices per request (``n``); vLLM takes thousands, each one decoding on the shared server
     graceful_shutdown_s: float = 30.0
     # tenancy (contextkit.core.tenancy): keys -> tenants; none = open, loopback only
     api_keys: dict[str, str] = {}  # {"<key>": "<tenant>"}; env CONTEXTKIT_PROXY_API_KEYS='{"...": "..."}'

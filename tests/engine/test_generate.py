@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextkit.core.generation import SamplingParams
 from contextkit.engine.generate import Stream, generate, sample
@@ -97,3 +99,17 @@ def test_limits_and_bad_params(smol):
             SamplingParams(**bad)
     with pytest.raises(EmptyInputError, match="question"):
         ChatRequest.ask("   ")
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.floats(0, 1e38), top_p=st.floats(5e-324, 1.0, exclude_min=False), top_k=st.integers(0, 100),
+       seed=st.integers(0, 2**31))
+def test_sample_is_a_valid_token_for_any_accepted_params(temperature, top_p, top_k, seed):
+    """Any parameters the API accepts pick a real token: a tiny top_p or temperature was a NaN
+    distribution and a 500 (found by fuzzing serve)."""
+    logits = torch.randn(97, generator=torch.Generator().manual_seed(seed)) * 20
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    token = sample(logits, params, torch.Generator().manual_seed(seed))
+    assert 0 <= token < 97
+    if temperature < 1e-5 or top_p < 1e-30:
+        assert token == int(logits.argmax())

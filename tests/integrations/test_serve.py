@@ -3,6 +3,8 @@ reused as spans across requests, errors as OpenAI error objects."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import time
 
@@ -96,6 +98,7 @@ def test_the_tenant_comes_from_the_api_key(served, app_thread, repo):
 
         r = post(body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"].startswith("Bearer")
         assert httpx.get(s.url + "/v1/models").status_code == 401
         assert post({**body, "contextkit": {"tenant": "globex"}}, "key-acme-0001").status_code == 403
         acme = post(body, "key-acme-0001").json()["contextkit"]
@@ -195,6 +198,35 @@ def test_a_full_queue_is_429_and_a_client_that_hangs_up_frees_the_engine(served,
         assert ok.status_code == 200
 
 
+def test_one_tenant_cannot_starve_another(served, app_thread):
+    """Requests take turns token by token, the turn going to the tenant served least: a short request of
+    globex finishes while acme's long answers stream on (one at a time in arrival order, it waited for
+    all of them); acme filling its share of the queue gets 429, globex still gets in."""
+    _, kit, _ = served
+
+    def chat(tenant: str, max_tokens: int, stream: bool) -> dict:
+        return {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": stream, "contextkit": {"tenant": tenant}}
+
+    limits = ServeLimits(max_queue=8, max_queue_per_tenant=3, max_active=4)
+    app = create_serve_app(kit, "k", Tenancy(allow_client_tenant=True), limits)
+    with app_thread(app) as s, contextlib.ExitStack() as streams:
+        long = [streams.enter_context(httpx.stream("POST", s.url + "/v1/chat/completions",
+                                                   json=chat("acme", 400, True), timeout=300)) for _ in range(3)]
+        for r in long:
+            assert r.status_code == 200
+        lines = [r.iter_lines() for r in long]
+        for it in lines:
+            next(it)  # each of acme's answers is decoding
+        full = httpx.post(s.url + "/v1/chat/completions", json=chat("acme", 2, False), timeout=30)
+        assert full.status_code == 429 and "of this tenant" in full.json()["error"]["message"]
+        short = httpx.post(s.url + "/v1/chat/completions", json=chat("globex", 4, False), timeout=300)
+        assert short.status_code == 200, short.text
+        assert len(s.app.state.pending) == 3  # globex is done, every acme answer still streams
+        for it in lines:
+            assert not any(line == "data: [DONE]" for line in itertools.islice(it, 3))
+
+
 def test_a_request_past_its_deadline_is_stopped(served, app_thread):
     _, kit, _ = served
     body = {"model": "k", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 500,
@@ -225,7 +257,12 @@ MALFORMED = [  # each was a 500 or a hang before: every one must get a 4xx OpenA
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q\x00contextkit-documents\x00"}],
                               "documents": [{"text": "x"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "n": 2, "max_tokens": 2}),  # fuzz
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "temperature": float("nan")}),  # fuzz
 ]
+# valid requests the fuzz run (test_fuzz.py) found answered 500 (a NaN distribution): they get 200
+EXTREME_SAMPLING = [{"prompt": "q", "top_p": 5e-324, "max_tokens": 2, "temperature": 1},
+                    {"prompt": "q", "temperature": 3.2e16, "top_p": 5e-324, "max_tokens": 2}]
 
 
 def test_client_mistakes_are_4xx_never_500_or_a_hang(served):
@@ -239,6 +276,9 @@ def test_client_mistakes_are_4xx_never_500_or_a_hang(served):
         r = httpx.post(s.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
         assert 400 <= r.status_code < 500, (raw[:80], r.status_code, r.text[:200])
         assert r.json()["error"]["code"] == r.status_code, raw[:80]
+    for body in EXTREME_SAMPLING:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, (body, r.text[:200])
     ok = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
         "model": "smol-local", "max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]}]})  # content parts: valid

@@ -1,0 +1,164 @@
+"""``serve``'s engine thread: many requests on one engine, shared fairly between tenants.
+
+The built-in engine runs one forward pass at a time and keeps each request's KV on its own, so requests
+can take turns token by token (time slicing, not batching): a new request is planned and prefilled at
+its turn, then every started request decodes one step per turn. Turns go to the tenant that has had the
+least engine time so far (the engine seconds its steps took; a tenant arriving idle starts level with
+the least-served busy tenant, so idle time banks no credit), and within a tenant to its requests in
+turn, a request not yet started first. So one tenant's 8000-token answers or 200 queued requests cost
+every other tenant at most one step each per turn, and a new request's first token waits for one turn
+of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
+for a place, planned at their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from contextkit.core.errors import ContextKitError, DeadlineExceededError, OverloadedError
+from contextkit.core.tenant import Tenant
+
+
+_LATE = "the request ran past its deadline and was stopped; ask for fewer tokens or retry when the server is less busy"
+_WAITED = "the request waited past its deadline; retry when the server is less busy"
+
+
+class Job:
+    """One request: ``make()`` plans it and returns a stream of text deltas, decoded a step per turn into
+    a queue the event loop reads. It ends at its next turn once ``cancel`` is set (the client is gone) or
+    past ``deadline``; ``stopped`` says which (counted by the server)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, make: Callable, deadline: float, tenant: Tenant):
+        self.loop, self.make, self.deadline, self.tenant = loop, make, deadline, tenant
+        self.stopped: str | None = None
+        self.cancel = threading.Event()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stream = None
+        self._deltas = None
+        self.on_done: Callable[[Job], None] | None = None
+
+    def _put(self, kind: str, value=None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+    def step(self) -> bool:
+        """One turn on the engine thread: plan and start (the first turn) or decode to the next delta.
+        False once the job is over (finished, failed, cancelled or past its deadline)."""
+        try:
+            if self.cancel.is_set():
+                if self.stream is not None and self.stream.result is None:
+                    self.stopped = "disconnect"
+                return self._end()
+            if time.monotonic() > self.deadline:
+                self.stopped = "deadline"
+                raise DeadlineExceededError(_LATE if self.stream is not None else _WAITED)
+            if self.stream is None:
+                self.stream = self.make()  # planning and the prompt (or the span assembly)
+                self._deltas = iter(self.stream)
+                self._put("planned", self.stream)
+                return True
+            try:
+                self._put("delta", next(self._deltas))
+                return True
+            except StopIteration:
+                return self._end()
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the client as an OpenAI error
+            self._put("error", exc if isinstance(exc, ContextKitError) else ContextKitError(f"engine error: {exc}"))
+            return self._end()
+
+    def _end(self) -> bool:
+        self._deltas = None  # a generator left unfinished is closed with it
+        self._put("done")
+        return False
+
+    async def next(self) -> tuple[str, object]:
+        return await self.queue.get()
+
+    async def next_or_disconnect(self, request, poll_s: float = 0.25) -> tuple[str, object]:
+        """The next item; a client that hung up cancels the job (it ends at its next turn)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), poll_s)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel.set()
+                    return ("done", None)
+
+
+class FairScheduler:
+    """The engine thread. ``submit`` hands it a job from any thread; ``close`` stops it (jobs not yet
+    ended get ``done``)."""
+
+    def __init__(self, max_active: int = 8):
+        self.max_active = max_active
+        self._cv = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._closed = False
+        self.served_s: dict[Tenant, float] = {}  # engine seconds of tenants with jobs (dropped when idle)
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._closed:
+                raise OverloadedError("the server is shutting down; retry on another replica or shortly")
+            self._inbox.append(job)
+            self._cv.notify()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        waiting: dict[Tenant, deque[Job]] = {}  # not started
+        active: dict[Tenant, deque[Job]] = {}  # started: holding KV
+        n_active = 0
+        while True:
+            with self._cv:
+                while not self._inbox and not waiting and not active and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    for job in [*self._inbox, *(j for q in (*waiting.values(), *active.values()) for j in q)]:
+                        job.cancel.set()
+                        job.step()
+                        self._finished(job)
+                    return
+                while self._inbox:
+                    job = self._inbox.popleft()
+                    if job.tenant not in self.served_s:  # arriving idle: level with the least-served busy tenant
+                        self.served_s[job.tenant] = min(self.served_s.values(), default=0.0)
+                    waiting.setdefault(job.tenant, deque()).append(job)
+            room = n_active < self.max_active
+            ready = [t for t in self.served_s if active.get(t) or (room and waiting.get(t))]
+            if not ready:  # every waiting job waits for a place: only started ones can run
+                ready = [t for t in self.served_s if active.get(t)]
+            tenant = min(ready, key=self.served_s.__getitem__)
+            start = room and bool(waiting.get(tenant))
+            queue = waiting[tenant] if start else active[tenant]
+            job = queue.popleft()
+            t0 = time.perf_counter()
+            alive = job.step()
+            self.served_s[tenant] += time.perf_counter() - t0
+            if start:
+                n_active += 1
+                if not waiting[tenant]:
+                    del waiting[tenant]
+            if alive:
+                active.setdefault(tenant, deque()).append(job)  # the back of its tenant's line
+            else:
+                n_active -= 1
+                self._finished(job)
+            if not start and not active[tenant]:
+                del active[tenant]
+            if tenant not in waiting and tenant not in active:
+                del self.served_s[tenant]
+
+    @staticmethod
+    def _finished(job: Job) -> None:
+        if job.on_done is not None:
+            job.on_done(job)
