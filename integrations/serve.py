@@ -96,7 +96,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         return JSONResponse(error_body(exc), status_code=status)
 
     def usage_of(stream, completion_tokens: int) -> dict:
-        cached = stream.report.reused_tokens if stream.report else 0
+        cached = stream.report.cached_tokens if stream.report else 0  # KV that existed before this request
         return usage(len(stream.prompt_ids), completion_tokens, cached)
 
     def extension(stream) -> dict | None:
@@ -106,7 +106,8 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         span_tokens.labels("prompt").inc(len(stream.prompt_ids))
         for kind in ("reused", "recomputed", "prefilled"):
             span_tokens.labels(kind).inc(getattr(rep, f"{kind}_tokens"))
-        return {"reused_tokens": rep.reused_tokens, "recomputed_tokens": rep.recomputed_tokens,
+        return {"reused_tokens": rep.reused_tokens, "cached_tokens": rep.cached_tokens,
+                "recomputed_tokens": rep.recomputed_tokens,
                 "prefilled_tokens": rep.prefilled_tokens, "compiled_tokens": rep.compiled_tokens,
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}

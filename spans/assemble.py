@@ -148,6 +148,7 @@ class SpanCache:
         # 1. fetch or compile every reused span (dependencies first: they are earlier items)
         compiled: dict[int, CompiledSpan] = {}
         hits = misses = compiled_tokens = 0
+        hit_items: list[int] = []
         compile_ms = fetch_ms = 0.0
         for i, item in enumerate(plan.items):
             if not item.reuse:
@@ -158,6 +159,7 @@ class SpanCache:
             compiled[i] = entry
             if hit:
                 hits += 1
+                hit_items.append(i)
                 fetch_ms += elapsed
             else:
                 misses += 1
@@ -200,6 +202,8 @@ class SpanCache:
         assert logits is not None
 
         reused_total = sum(len(p.ids) for p in placed if p.reuse)
+        from_hits = torch.cat([layout.item_slots[i] for i in hit_items]) if hit_items else recompute[:0]
+        cached = int(from_hits.numel() - torch.isin(from_hits, recompute).sum())
         report = ReuseReport(
             policy=opts.policy,
             ratio=opts.ratio,
@@ -212,6 +216,7 @@ class SpanCache:
             compiled_tokens=compiled_tokens,
             hits=hits,
             misses=misses,
+            cached_tokens=cached,
             fetch_ms=fetch_ms,
             rerotate_ms=rerotate_ms,
             select_ms=select_ms,

@@ -36,6 +36,7 @@ BENCHES = {
     "ordering": "contextkit.bench.ordering",
     "store": "contextkit.bench.store",
     "proxy": "contextkit.bench.proxy",
+    "robustness": "contextkit.bench.robustness",
 }
 
 

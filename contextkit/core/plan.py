@@ -167,4 +167,5 @@ class ReuseReport:
     compile_ms: float
     total_ms: float
     estimated_deviation: float | None = None  # query_attention: attention share left on stale KV
+    cached_tokens: int = 0  # reused tokens of spans already stored before this request (hits): usage's cached
     recomputed_slots: tuple[int, ...] = ()
