@@ -51,6 +51,7 @@ bench: venv
 	$(BIN)/contextkit bench store --n 20 --json $(BENCH)/store.json --plot $(BENCH)/store.png
 	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
 	$(BIN)/contextkit bench proxy --n 100 --trace $(BENCH)/ordering-trace.jsonl --set soak_s=300 --json $(BENCH)/proxy.json --plot $(BENCH)/proxy.png
+	$(BIN)/contextkit bench robustness --json $(BENCH)/robustness.json
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs

@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -266,6 +266,7 @@ def serve_cmd(
     served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
     kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
     kv_remote_url: Annotated[Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")] = None,
+    kv_encrypt: Annotated[bool, typer.Option("--kv-encrypt", help="Encrypt span KV in the disk and remote tiers (AES-256-GCM, key from the secret).")] = False,
     api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY", help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")] = None,
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
@@ -280,7 +281,7 @@ def serve_cmd(
 
     try:
         config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
-                                  kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url))
+                                  kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url, encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
         tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
         err.print(check_bind(tenancy, host))

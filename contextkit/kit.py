@@ -79,9 +79,10 @@ class ContextKit:
         # the order a tenant's documents were served in; the built-in engine has no block hashing
         self.weaver = Weaver(block_size=1)
         # documents seen by this kit keep their KV here, reused at any position by later requests
+        secret = self.config.load_secret()
         self.spans = SpanCache(
             self.engine,
-            store=KVSpanStore(build_store(self.config.kvstore, derive(self.config.load_secret(), "kv-mac"))),
+            store=KVSpanStore(build_store(self.config.kvstore, derive(secret, "kv-mac"), derive(secret, "kv-enc"))),
             rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
             tokenizer_fingerprint=self.tokenizer.fingerprint,
         )

@@ -213,7 +213,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
 
     async def body_of(request: Request) -> dict:
         """The JSON body, read up to ``limits.max_body_bytes`` (413 past it)."""
-        return json_body(await read_body(request.receive, limits.max_body_bytes))
+        return json_body(await read_body(request.receive, limits.max_body_bytes, request.headers.get("content-length")))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):  # nobody reads this answer

@@ -12,14 +12,18 @@ from the deployment's secret (``contextkit.core.tenancy.derive(secret, "kv-mac")
 write access to Redis or the disk put there without the secret (a copied header over swapped tensors,
 a recomputed checksum) fail it. ``decode`` refuses anything that does not match exactly (a wrong MAC,
 truncated, extended, flipped bits, another key's bytes), and the caller drops the entry and recomputes.
-What a shared tier still exposes: the bytes are not encrypted, so whoever reads Redis or the disk reads
-the token ids (the documents' text) and their KV.
+Encryption at rest (``KVStoreConfig.encrypt``, off by default): the payload (K, V and the token ids)
+is AES-256-GCM ciphertext under a key derived from the same secret (``derive(secret, "kv-enc")``), a
+fresh 96-bit nonce per entry in the header; the MAC still covers header and ciphertext. What a shared
+tier exposes then: the header (key digest, tenant name, tensor shapes, sizes, times). Without it,
+whoever reads Redis or the disk reads the token ids (the documents' text) and their KV.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import os
 import struct
 import time
 import warnings
@@ -34,6 +38,9 @@ from contextkit.core.tenant import Tenant
 
 MAGIC = b"CTXKV\x00\x03\x00"  # v3: a keyed MAC after the payload
 MAC_BYTES = 32
+ENC_KEY_BYTES = 32
+ENC_ALG = "aes-256-gcm"
+GCM_TAG = 16
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8,
@@ -105,20 +112,37 @@ def mac(mac_key: bytes, chunks) -> bytes:
     return h.digest()
 
 
-def encode(entry: Entry, mac_key: bytes) -> list[memoryview | bytes]:
-    """The entry as byte chunks (header, each tensor's bytes without a copy, then the MAC)."""
+def _aead(enc_key: bytes):
+    if not isinstance(enc_key, bytes) or len(enc_key) != ENC_KEY_BYTES:
+        raise KVCacheError(f"a KV encryption key is {ENC_KEY_BYTES} bytes (contextkit.core.tenancy.derive(secret, 'kv-enc'))")
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:
+        raise KVCacheError("encrypted KV entries need the cryptography package: pip install cryptography") from exc
+    return AESGCM(enc_key)
+
+
+def encode(entry: Entry, mac_key: bytes, enc_key: bytes | None = None) -> list[memoryview | bytes]:
+    """The entry as byte chunks (header, each tensor's bytes without a copy, then the MAC). With
+    ``enc_key`` the tensors' bytes go as one AES-256-GCM ciphertext instead."""
     m = entry.meta
-    header = json.dumps({
+    fields = {
         "digest": m.digest, "tenant": m.tenant, "layout": m.layout, "nbytes": m.nbytes,
         "xxh3_64": m.checksum, "cost_ms": m.cost_ms, "created": m.created,
         "tensors": [[n, list(s), d] for n, s, d in m.tensors],
-    }).encode()  # fmt: skip
-    chunks = [MAGIC + struct.pack("<I", len(header)) + header, *(_bytes_of(entry.tensors[n]) for n, _, _ in m.tensors)]
+    }  # fmt: skip
+    payload: list = [_bytes_of(entry.tensors[n]) for n, _, _ in m.tensors]
+    if enc_key is not None:
+        nonce = os.urandom(12)
+        fields.update(enc=ENC_ALG, nonce=nonce.hex())
+        payload = [_aead(enc_key).encrypt(nonce, b"".join(payload), None)]
+    header = json.dumps(fields).encode()
+    chunks = [MAGIC + struct.pack("<I", len(header)) + header, *payload]
     return [*chunks, mac(_check_key(mac_key), chunks)]
 
 
-def encode_bytes(entry: Entry, mac_key: bytes) -> bytes:
-    return b"".join(encode(entry, mac_key))
+def encode_bytes(entry: Entry, mac_key: bytes, enc_key: bytes | None = None) -> bytes:
+    return b"".join(encode(entry, mac_key, enc_key))
 
 
 def _check_key(mac_key: bytes) -> bytes:
@@ -139,9 +163,11 @@ def _view(payload: memoryview, offset: int, size: int) -> torch.Tensor:
 
 
 def decode(data: bytes | bytearray | memoryview, key=None, mac_key: bytes | None = None, verify: bool = True,
-           borrowed: bool = False) -> Entry:
+           borrowed: bool = False, enc_key: bytes | None = None) -> Entry:
     """Parse and check stored bytes: the MAC first (``mac_key``, the deployment's), then with ``key`` that
-    they belong to it. ``verify=False`` skips the MAC (bytes this process wrote and never let out).
+    they belong to it. ``verify=False`` skips the MAC (bytes this process wrote and never let out). An
+    encrypted entry is decrypted with ``enc_key`` (its tensors are then a copy, never ``borrowed``);
+    plain entries are read with or without it.
 
     Raises:
         CorruptEntryError: anything does not match; the message says what.
@@ -161,6 +187,19 @@ def decode(data: bytes | bytearray | memoryview, key=None, mac_key: bytes | None
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntryError(f"unreadable header ({exc})") from exc
     payload = view[12 + hlen :]
+    if h.get("enc") is not None:
+        if h["enc"] != ENC_ALG:
+            raise CorruptEntryError(f"unknown encryption {h['enc']!r}")
+        if enc_key is None:
+            raise CorruptEntryError("the entry is encrypted and this store has no key (set kvstore encrypt)")
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            payload = memoryview(_aead(enc_key).decrypt(bytes.fromhex(h["nonce"]), bytes(payload), None))
+        except (InvalidTag, ValueError, KeyError) as exc:
+            raise CorruptEntryError("the entry does not decrypt with this deployment's key") from exc
+        borrowed = False
+        verify = False  # the MAC covered the ciphertext; the checksum below checks the plaintext
     if len(payload) != meta.nbytes:
         raise CorruptEntryError(f"payload is {len(payload)} bytes, header says {meta.nbytes} (truncated?)")
     if key is not None and (meta.digest != key.digest or meta.tenant != key.tenant):

@@ -47,7 +47,7 @@ from pathlib import Path
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.core.errors import CorruptEntryError
-from contextkit.kvstore.entry import MAC_BYTES, Entry, decode, encode
+from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, decode, encode
 
 _BACKEND = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "remote": "RemoteBackend"}
 _patch_lock = threading.Lock()
@@ -65,6 +65,8 @@ class LMCacheTierConfig:
     retry_after_s: float = 2.0  # after a remote failure, how long to answer misses before probing again
     # keys the MAC of every entry (kvstore.entry); processes sharing a tier share it (derive(secret, "kv-mac"))
     mac_key: bytes = field(default=b"", repr=False)
+    # encrypts every entry's payload at rest (AES-256-GCM; derive(secret, "kv-enc")); None: plain
+    enc_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _BACKEND:
@@ -80,6 +82,8 @@ class LMCacheTierConfig:
             raise ConfigError(f"an LMCache tier needs mac_key ({MAC_BYTES} bytes, "
                               "contextkit.core.tenancy.derive(secret, 'kv-mac')): entries that leave the process "
                               "are authenticated")
+        if self.enc_key is not None and len(self.enc_key) != ENC_KEY_BYTES:
+            raise ConfigError(f"enc_key must be {ENC_KEY_BYTES} bytes (contextkit.core.tenancy.derive(secret, 'kv-enc'))")
         if self.max_bytes <= 0 or self.pool_bytes <= 0 or self.timeout_s <= 0:
             raise ConfigError("max_bytes, pool_bytes and timeout_s must be positive")
 
@@ -319,7 +323,7 @@ class LMCacheTier:
         arr = obj.tensor.reshape(-1).numpy()
         weakref.finalize(arr, obj.ref_count_down)
         try:
-            entry = decode(memoryview(arr), key, self.cfg.mac_key, borrowed=True)
+            entry = decode(memoryview(arr), key, self.cfg.mac_key, borrowed=True, enc_key=self.cfg.enc_key)
         except CorruptEntryError:
             self._stats.add("corrupt")
             self._stats.add("misses")
@@ -335,7 +339,7 @@ class LMCacheTier:
         if not self._available():
             self._stats.add("errors")
             return
-        chunks = encode(entry, self.cfg.mac_key)
+        chunks = encode(entry, self.cfg.mac_key, self.cfg.enc_key)
         size = sum(len(c) for c in chunks)
         torch = self._torch
         try:

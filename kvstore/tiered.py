@@ -65,17 +65,22 @@ class TieredStore:
         self.close()
 
 
-def build_store(cfg: KVStoreConfig, mac_key: bytes) -> TieredStore:
+def build_store(cfg: KVStoreConfig, mac_key: bytes, enc_key: bytes | None = None) -> TieredStore:
     """The tiers ``cfg`` asks for: memory always; LMCache disk if ``disk_dir``; LMCache remote if ``remote_url``.
-    ``mac_key`` authenticates every entry the disk and remote tiers hold."""
+    ``mac_key`` authenticates every entry the disk and remote tiers hold; ``enc_key`` (required when
+    ``cfg.encrypt``) encrypts them."""
+    if cfg.encrypt and enc_key is None:
+        raise ConfigError("kvstore encrypt is set: build_store needs enc_key (derive(secret, 'kv-enc'))")
+    enc_key = enc_key if cfg.encrypt else None
     tiers: list = [MemoryTier(cfg.memory_bytes)]
     if cfg.disk_dir is not None or cfg.remote_url:
         from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
         if cfg.disk_dir is not None:
             tiers.append(LMCacheTier(LMCacheTierConfig("disk", max_bytes=cfg.disk_bytes, disk_dir=cfg.disk_dir,
-                                                         mac_key=mac_key)))
+                                                         mac_key=mac_key, enc_key=enc_key)))
         if cfg.remote_url:
             tiers.append(LMCacheTier(LMCacheTierConfig("remote", remote_url=cfg.remote_url,
-                                                       timeout_s=cfg.remote_timeout_s, mac_key=mac_key)))
+                                                       timeout_s=cfg.remote_timeout_s, mac_key=mac_key,
+                                                       enc_key=enc_key)))
     return TieredStore(tiers)

@@ -68,8 +68,11 @@ def _cap(body, cap: int):
     """A generation body that asks for more than ``cap`` tokens (or does not say) asks for ``cap``."""
     if isinstance(body, dict):
         mt = body.get("max_tokens")
-        if mt is None or (type(mt) is int and mt > cap):
-            return {**body, "max_tokens": cap}
+        if mt is None or (type(mt) in (int, float) and mt > cap):  # 3946.0 is an integer to pydantic and vLLM
+            body = {**body, "max_tokens": cap}
+        mct = body.get("max_completion_tokens")
+        if type(mct) in (int, float) and mct > cap:
+            body = {**body, "max_completion_tokens": cap}
     return body
 
 

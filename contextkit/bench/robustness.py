@@ -11,10 +11,12 @@ tenants that send one request each). Per server:
 2. **Abuse** (``--set duration_s=300``): the same streams while a second client, in its own process at
    a lower CPU priority (``nice`` +10: on this 2-core machine a fuzzer at full priority measures the
    machine, not the server), sends schemathesis cases from the server's OpenAPI document (valid and
-   invalid bodies, keys missing) and hand-made abuse in turns: malformed bodies (broken JSON, 3000 ``[``,
-   random bytes, NaN), oversized ones (a body past the limit, a prompt past the context), spoofed ones
-   (no key, a wrong key, a body naming another tenant, another tenant's name as ``cache_salt``) and
-   dropped ones (half a body then a hang-up, a stream dropped after its first bytes, a bare connect).
+   invalid bodies, keys missing) in one thread, and hand-made abuse in three more (``--set
+   abuse_threads=3``, each sending its next request when the last is answered): malformed bodies
+   (broken JSON, 3000 ``[``, random bytes, NaN), oversized ones (a body past the limit, a prompt past the
+   context), spoofed ones (no key, a wrong key, a body naming another tenant, another tenant's name as
+   ``cache_salt``) and dropped ones (half a body then a hang-up, a stream dropped after its first
+   bytes, a bare connect).
 3. **Leak probes**: each probe tenant sends, once, a documents request whose documents the good tenants
    sent (and, through the proxy, a good tenant's exact plain chat with that tenant's name as
    ``cache_salt``). A first request of a new tenant depends on another tenant's history if it reports
@@ -202,7 +204,8 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
     return out
 
 
-def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int, out) -> None:
+def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
+           handmade_threads: int, out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
     its counts go to ``out``."""
     os.nice(10)
@@ -266,7 +269,8 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
             rounds += 1
 
     # one fuzzing thread: schemathesis's strategy caches are not thread-safe
-    threads = [threading.Thread(target=fuzzer)] + [threading.Thread(target=handmade) for _ in range(2)]
+    # hand-made requests mostly wait (an engine turn, an answer): more threads keep them coming
+    threads = [threading.Thread(target=fuzzer)] + [threading.Thread(target=handmade) for _ in range(handmade_threads)]
     for t in threads:
         t.start()
     for t in threads:
@@ -274,10 +278,12 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
     out.put(counts)
 
 
-def _start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int):
+def _start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
+                  handmade_threads: int):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, q), daemon=True)
+    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, q),
+                       daemon=True)
     proc.start()
     return proc, q
 
@@ -415,7 +421,8 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         rss0 = _rss_mb(proc.pid)
         kv0 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: under abuse")
-        abuser, q = _start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed)
+        abuser, q = _start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
+                                  o("abuse_threads", 3, int))
         under, err, hangs = asyncio.run(_good(url, work, streams, duration_s, max_tokens, timeout_s))
         try:
             counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
@@ -520,6 +527,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         summary[f"{r['server']}_findings"] = r.pop("_findings")
     summary["requests"] = sum(r["good_requests_baseline"] + r["good_requests_abuse"] + r["fuzz_requests"] for r in rows)
     config = {k: ctx.option(k, d) for k, d in (("baseline_s", 60.0), ("duration_s", 300.0), ("streams", 64), ("questions", 24),
+                                                 ("abuse_threads", 3),
                                                  ("serve_streams", 8), ("probes", 16), ("max_tokens", 8),
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,

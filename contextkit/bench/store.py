@@ -11,9 +11,12 @@ caller needs: fetch, checks (xxh3 checksum, key digest, tenant), tensors ready.
 
 Options (``--set``): ``sizes`` (128,1024,4096), ``tiers`` (comma list), ``redis_url`` / ``lmcache_url``
 (else the bench starts its own servers on loopback and stops them), ``dtype`` (the engine's, float32).
+``disk-aes`` and ``redis-aes`` are the same tiers with encryption at rest (AES-256-GCM on the payload).
 Summary: ``memory_get_vs_copy``, ``disk_get_vs_read``, ``remote_get_vs_redis`` (Redis tier) and
 ``lm_get_vs_redis`` (lmcache_server tier), our time / raw time at 1k tokens (<= 2.0 means >= 50% of the
-raw bandwidth); ``fetch_vs_compile_max``: the slowest tier's 1k-token fetch / compiling the span.
+raw bandwidth); ``fetch_vs_compile_max``: the slowest tier's 1k-token fetch / compiling the span;
+``disk_aes_get_vs_plain``, ``redis_aes_get_vs_plain`` (and ``_put_``): encrypted tier / plain tier; ``mac_ms``,
+``encode_aes_ms``, ``decode_aes_ms``: the keyed MAC and AES-GCM on the 1k-token entry alone.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import torch
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, time_ms
 from contextkit.core.errors import ConfigError
-from contextkit.kvstore.entry import encode_bytes
+from contextkit.kvstore.entry import decode, encode, encode_bytes, mac
 from contextkit.spans.compile import compile_span, model_identity
 from contextkit.spans.store import LAYOUT
 
-TIERS = ("memory", "lmcache-cpu", "disk", "lm", "redis")
+TIERS = ("memory", "lmcache-cpu", "disk", "lm", "redis", "disk-aes", "redis-aes")
 
 
 def _tokens(n: int, tokenizer) -> tuple[int, ...]:
@@ -59,7 +62,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Span
 
-    mac_key = derive(ctx.config.load_secret(), "kv-mac")  # every entry leaving the process carries a MAC
+    secret = ctx.config.load_secret()
+    mac_key = derive(secret, "kv-mac")  # every entry leaving the process carries a MAC
+    enc_key = derive(secret, "kv-enc")  # the -aes tiers encrypt at rest too
     sizes = [int(s) for s in ctx.option("sizes", "128,1024,4096").split(",")]
     tiers = ctx.option("tiers", ",".join(TIERS)).split(",")
     bad = [t for t in tiers if t not in TIERS]
@@ -78,7 +83,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     try:
         urls = {"redis": ctx.option("redis_url", ""), "lm": ctx.option("lmcache_url", "")}
         for name, make in (("redis", redis_server), ("lm", lmcache_server)):
-            if name in tiers and not urls[name]:
+            if (name in tiers or f"{name}-aes" in tiers) and not urls[name]:
                 services.append(make().start())
                 urls[name] = services[-1].url
         for name in tiers:
@@ -89,12 +94,16 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30, mac_key=mac_key)),
                 "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30, mac_key=mac_key,
                                                                timeout_s=30)),
+                "disk-aes": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk-aes", pool_bytes=1 << 30,
+                                                                  mac_key=mac_key, enc_key=enc_key), "disk-aes"),
+                "redis-aes": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30,
+                                                                   mac_key=mac_key, enc_key=enc_key, timeout_s=30), "redis-aes"),
             }[name]()
         import redis as redis_py
 
         rurl = urllib.parse.urlparse(urls["redis"]) if urls.get("redis") else None
         raw_redis = redis_py.Redis(host=rurl.hostname, port=rurl.port) if rurl else None
-        rows, compile_ms = [], {}
+        rows, compile_ms, crypto = [], {}, {}
         tick(total=len(sizes) * (len(tiers) + 1))
         for n in sizes:
             span = Span(_tokens(n, tok))
@@ -124,7 +133,16 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 raw_redis.set(f"raw-{n}", blob)
                 redis_get = time_ms(lambda: raw_redis.get(f"raw-{n}"), reps, warmup=1)
             baseline = {"memory": ("copy", copy), "lmcache-cpu": ("copy", copy), "disk": ("file read", read),
-                        "lm": ("redis GET", redis_get), "redis": ("redis GET", redis_get)}
+                        "lm": ("redis GET", redis_get), "redis": ("redis GET", redis_get),
+                        "disk-aes": ("file read", read), "redis-aes": ("redis GET", redis_get)}
+            # what authenticating and encrypting cost on their own, on this entry's bytes
+            chunks = encode(entry, mac_key)
+            mac_ms = time_ms(lambda: mac(mac_key, chunks[:-1]), reps)
+            enc_ms = time_ms(lambda: encode(entry, mac_key, enc_key), reps)
+            sealed = encode_bytes(entry, mac_key, enc_key)
+            dec_ms = time_ms(lambda: decode(sealed, key, mac_key, enc_key=enc_key), reps)
+            crypto[n] = {"mac_ms": statistics.median(mac_ms), "encode_aes_ms": statistics.median(enc_ms),
+                         "decode_aes_ms": statistics.median(dec_ms), "mb": mb}
             tick(f"{n} tokens: baselines")
             for name in tiers:
                 tier = made[name]
@@ -149,6 +167,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                     "compile_ms": round(compile_ms[n], 1),
                     "file_read_plain_ms_p50": round(percentile(read_plain, 50), 3) if name == "disk" else None,
                     "default": name == "memory",
+                    "encrypted": name.endswith("-aes"),
                 })  # fmt: skip
                 tier.delete(key)
                 tick(f"{n} tokens: {name}")
@@ -166,6 +185,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         if (name, pick) in at:
             summary[keyname] = at[(name, pick)]["get_vs_baseline"]
             summary[keyname + "_worst"] = max(r["get_vs_baseline"] for r in rows if r["tier"] == name)
+    for name in ("disk", "redis"):  # encryption at rest, against the same tier without it
+        if (name, pick) in at and (f"{name}-aes", pick) in at:
+            summary[f"{name}_aes_get_vs_plain"] = round(at[(f"{name}-aes", pick)]["get_ms_p50"] / at[(name, pick)]["get_ms_p50"], 3)
+            summary[f"{name}_aes_put_vs_plain"] = round(at[(f"{name}-aes", pick)]["put_ms"] / max(1e-3, at[(name, pick)]["put_ms"]), 3)
+    c = crypto[pick]
+    summary.update(mac_ms=round(c["mac_ms"], 3), mac_gb_s=round(c["mb"] / c["mac_ms"], 2),
+                   encode_aes_ms=round(c["encode_aes_ms"], 3), decode_aes_ms=round(c["decode_aes_ms"], 3),
+                   aes_gb_s=round(c["mb"] / c["decode_aes_ms"], 2))
     fetch = [r["fetch_vs_compile"] for r in rows if r["tokens"] == pick]
     summary["fetch_vs_compile_max"] = max(fetch) if fetch else None
     config = {"sizes": sizes, "tiers": tiers, "reps": reps, "dtype": dtype, "model": ctx.config.model,

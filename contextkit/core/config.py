@@ -21,6 +21,8 @@ class KVStoreConfig:
         remote_url: ``lm://host:port`` (lmcache_server) or ``redis://host:port``, shared by processes;
             None: no remote tier.
         remote_timeout_s: deadline of one remote call; a slower or dead remote answers a miss.
+        encrypt: encrypt the entries of the disk and remote tiers at rest (AES-256-GCM under a key derived
+            from the secret); every entry is authenticated either way.
     """
 
     memory_bytes: int = 2 << 30
@@ -28,6 +30,7 @@ class KVStoreConfig:
     disk_bytes: int = 8 << 30
     remote_url: str | None = None
     remote_timeout_s: float = 5.0
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.disk_bytes <= 0:

@@ -166,7 +166,8 @@ class ProxyApp:
         body = None
         if method in ("POST", "PUT", "PATCH"):
             kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
-            body = await read_body(receive, self.settings.max_body_bytes)
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            body = await read_body(receive, self.settings.max_body_bytes, declared)
             # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
             # (multipart audio uploads, ...) go as they are
             parsed = json_body(body) if kind.startswith(b"application/json") else {}

@@ -17,12 +17,13 @@ def test_bench_proxy_small_run(tmp_path, vllm_url, cli, trace_requests):
     write_trace(trace_requests(2), trace)
     proc = cli("bench", "proxy", "--upstream", vllm_url, "--trace", str(trace), "--n", "4", "--json", str(out),
                "--set", "concurrency=1,4", "--set", "requests_per_level=4", "--set", "soak_s=3",
-               "--set", "max_tokens=2")
+               "--set", "max_tokens=2", "--set", "repeats=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     phases = [r["phase"] for r in result["rows"]]
-    assert phases == ["overhead", "overhead", "A/A control", "documents", "documents", "soak"]
-    for row in result["rows"][:2]:
+    assert phases == ["overhead"] * 3 + ["A/A control", "documents", "documents", "soak"]
+    assert [r.get("repeat") for r in result["rows"][:3]] == [None, 1, 2]  # the top level, run twice
+    for row in result["rows"][:3]:
         # every proxied request's own timings were found in the proxy's access log, and the client's
         # interval contains the proxy's upstream interval (one monotonic clock), so the overhead is >= 0
         assert row["matched"] == row["requests"] == 4
@@ -31,6 +32,8 @@ def test_bench_proxy_small_run(tmp_path, vllm_url, cli, trace_requests):
     s = result["summary"]
     assert {"overhead_ms_p50", "overhead_ms_p99", "errors", "docs_ttft_reduction_vs_direct", "rss_growth"} <= set(s)
     assert s["errors"] == 0 and s["soak_requests"] > 0
+    assert s["overhead_ms_p99_min"] <= s["overhead_ms_p99"] <= s["overhead_ms_p99_max"]
+    assert len(s["overhead_ms_p99_runs"]) == 2
 
 
 def test_cores_split_between_engine_and_proxy(monkeypatch):

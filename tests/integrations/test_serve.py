@@ -285,3 +285,17 @@ def test_client_mistakes_are_4xx_never_500_or_a_hang(served):
         "model": "smol-local", "max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]}]})  # content parts: valid
     assert ok.status_code == 200, ok.text
+
+
+def test_a_body_declared_over_the_limit_is_refused_before_it_is_read(served, app_thread):
+    """A Content-Length past the limit is answered 413 at once, before any of the body arrives (the
+    server used to read, and pay for, every byte up to the limit first)."""
+    import socket
+
+    _, kit, _ = served
+    with app_thread(create_serve_app(kit, "k", limits=ServeLimits(max_body_bytes=1000))) as s:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100000000\r\n\r\n{")  # 100 MB announced, one byte sent
+            head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 413"), head[:200]

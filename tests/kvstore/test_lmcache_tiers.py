@@ -284,3 +284,37 @@ def test_forged_entries_are_never_served(tmp_path):
         assert other.get(k) is None and other.stats()["corrupt"] == 1  # another deployment's key
     finally:
         other.close()
+
+
+def test_encrypted_entries_at_rest(tmp_path, redis_url):
+    """With an encryption key the stored bytes hold no plaintext tensor or token id; they read back
+    exactly through the same tier, and a tier without the key (or with another one) reads a miss, counted
+    as corrupt, never the bytes as tensors."""
+    from contextkit.kvstore.entry import decode, encode_bytes
+
+    enc = bytes(range(100, 132))
+    k = key("secret-doc", "acme")
+    e = entry(k, 48, seed=3)
+    blob = encode_bytes(e, MAC, enc)
+    plain = encode_bytes(e, MAC)
+    k_bytes = e.tensors["k"].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    ids_bytes = e.tensors["token_ids"].numpy().tobytes()
+    assert k_bytes[:256] in plain and k_bytes[:256] not in blob and ids_bytes[8:64] not in blob
+    assert same(decode(blob, k, MAC, enc_key=enc), e) and not decode(blob, k, MAC, enc_key=enc).borrowed
+    for wrong in (None, bytes(32)):
+        with pytest.raises(Exception, match="encrypted|decrypt"):
+            decode(blob, k, MAC, enc_key=wrong)
+    flipped = bytearray(blob)
+    flipped[len(flipped) // 2] ^= 1
+    with pytest.raises(Exception, match="MAC"):
+        decode(bytes(flipped), k, MAC, enc_key=enc)
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC, enc_key=enc))
+    other = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC))
+    try:
+        tier.put(k, e)
+        assert tier.wait_visible(k)
+        assert same(tier.get(k), e)
+        assert other.get(k) is None and other.stats()["corrupt"] == 1  # no key: a miss, recomputed
+    finally:
+        tier.close()
+        other.close()
