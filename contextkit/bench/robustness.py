@@ -386,7 +386,7 @@ def _server(ctx: BenchContext, server: str, url_of: dict, keys_file: Path, cpus:
     if server == "proxy":
         argv = ["proxy", "--upstream", url_of["vllm"], *common]
     else:
-        argv = ["serve", "--kv-remote-url", url_of["redis"], *common]
+        argv = ["serve", *(["--kv-remote-url", url_of["redis"]] if url_of.get("redis") else []), *common]
     pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
     log = open(logs / f"bench-robustness-{server}.log", "ab")
     env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
@@ -408,7 +408,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
     max_tokens, probes = o("max_tokens", 8, int), o("probes", 16, int)
     max_body = 32 << 20 if server == "proxy" else 8 << 20
     row: dict = {"server": server, "streams": streams}
-    if server == "serve":
+    if server == "serve" and url_of.get("redis"):
         tick("serve: the forger writes the shared tier")
         _forge(ctx, url_of["redis"], work, "good0")
     proc, url, log = _server(ctx, server, url_of, keys_file, cpus, logs)
@@ -433,7 +433,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         kv1 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: probes")
         sent, leaks, what = _probe(url, server, work, probes, timeout_s)
-        if server == "serve":
+        if server == "serve" and url_of.get("redis"):
             rejected0 = _metric(url, "contextkit_kvstore_corrupt_total")
             forged, asked = _forged_served(url, work, timeout_s)
             row.update(forged_entries_served=forged, forged_documents_asked=asked,
@@ -503,7 +503,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                     started.append(vllm.start())
                     upstream = vllm.url
                 url_of["vllm"] = upstream
-            if "serve" in servers:
+            if "serve" in servers and ctx.option("remote", 1, int):  # --set remote=0: serve without a shared tier
                 redis = redis_server(log_file=logs / "bench-robustness-redis.log")
                 started.append(redis.start())
                 url_of["redis"] = redis.url

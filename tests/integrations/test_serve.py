@@ -299,3 +299,27 @@ def test_a_body_declared_over_the_limit_is_refused_before_it_is_read(served, app
                          b"content-length: 100000000\r\n\r\n{")  # 100 MB announced, one byte sent
             head = sock.recv(4096)
         assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_a_finished_request_frees_its_kv_at_once(served, app_thread):
+    """A request's KV cache is freed when its answer is sent, not at the next full garbage collection:
+    a callback closing over its job made a reference cycle, and serve's RSS climbed by gigabytes under
+    load until the collector ran (found by bench robustness)."""
+    import gc
+
+    from contextkit.core.kvcache import KVCache
+
+    _, kit, _ = served
+    body = {"model": "k", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+    with app_thread(create_serve_app(kit, "k")) as s:
+        gc.collect()
+        gc.disable()
+        try:
+            for stream in (False, True, False):
+                r = httpx.post(s.url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+                assert r.status_code == 200
+            time.sleep(0.5)  # the engine thread's release reaches the event loop
+            alive = sum(isinstance(o, KVCache) for o in gc.get_objects())
+        finally:
+            gc.enable()
+    assert alive == 0
