@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +31,8 @@ from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.openai_api import (
-    ClientGone, CompletionBody, chunk, completion, error_body, error_headers, json_body, new_id, parse_chat, read_body, sse, usage,
-    validate,
+    ClientGone, CompletionBody, chunk, completion, error_body, error_headers, json_body, new_id, parse_chat, read_body,
+    sse, usage, validate,
 )  # fmt: skip
 from contextkit.integrations.openapi import openapi_schema
 from contextkit.integrations.scheduler import FairScheduler, Job
@@ -73,7 +72,6 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     """
     tenancy = tenancy or Tenancy()
     pending: set[Job] = set()  # queued or running on the engine thread
-    per_tenant: Tally = Tally()
     scheduler = FairScheduler(limits.max_active)
 
     @contextlib.asynccontextmanager
@@ -116,10 +114,12 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         """Queue the request for the engine thread (429 when the queue, or the tenant's share of it, is
         full), then answer, streaming or not. The request ends at its next turn once the client is gone or
         the deadline passed."""
-        if len(pending) >= limits.max_queue or per_tenant[tenant] >= limits.max_queue_per_tenant:
-            mine = per_tenant[tenant] >= limits.max_queue_per_tenant
-            raise OverloadedError(f"{per_tenant[tenant] if mine else len(pending)} requests "
-                                  f"{'of this tenant ' if mine else ''}are waiting for the engine; retry shortly",
+        mine = sum(j.tenant == tenant for j in pending)  # at most max_queue jobs to count
+        if mine >= limits.max_queue_per_tenant:
+            raise OverloadedError(f"{mine} requests of this tenant are waiting for the engine; retry shortly",
+                                  retry_after_s=limits.retry_after_s)
+        if len(pending) >= limits.max_queue:
+            raise OverloadedError(f"{len(pending)} requests are waiting for the engine; retry shortly",
                                   retry_after_s=limits.retry_after_s)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -130,16 +130,12 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
 
         def release(job: Job) -> None:
             pending.discard(job)
-            per_tenant[job.tenant] -= 1
-            if not per_tenant[job.tenant]:
-                del per_tenant[job.tenant]
             if job.stopped:
                 cancelled.labels(job.stopped).inc()
 
         job.on_done = finished
-        scheduler.submit(job)  # its release runs on this loop, so after the two lines below
+        scheduler.submit(job)  # its release runs on this loop, so after the line below
         pending.add(job)
-        per_tenant[tenant] += 1
         try:
             kind, value = await job.next_or_disconnect(request)  # planned (or refused), maybe after a wait
         except BaseException:

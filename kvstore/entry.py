@@ -40,7 +40,6 @@ MAGIC = b"CTXKV\x00\x03\x00"  # v3: a keyed MAC after the payload
 MAC_BYTES = 32
 ENC_KEY_BYTES = 32
 ENC_ALG = "aes-256-gcm"
-GCM_TAG = 16
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8,
@@ -199,12 +198,14 @@ def decode(data: bytes | bytearray | memoryview, key=None, mac_key: bytes | None
         except (InvalidTag, ValueError, KeyError) as exc:
             raise CorruptEntryError("the entry does not decrypt with this deployment's key") from exc
         borrowed = False
-        verify = False  # the MAC covered the ciphertext; the checksum below checks the plaintext
+        plain_checked = False  # the MAC covered the ciphertext: the checksum checks what it decrypted to
+    else:
+        plain_checked = verify  # the MAC covers the payload itself
     if len(payload) != meta.nbytes:
         raise CorruptEntryError(f"payload is {len(payload)} bytes, header says {meta.nbytes} (truncated?)")
     if key is not None and (meta.digest != key.digest or meta.tenant != key.tenant):
         raise CorruptEntryError("entry belongs to another key or tenant")
-    if not verify and xxhash.xxh3_64_intdigest(payload) != meta.checksum:  # the MAC covers it when verified
+    if not plain_checked and xxhash.xxh3_64_intdigest(payload) != meta.checksum:
         raise CorruptEntryError("checksum mismatch")
     tensors, off = {}, 0
     for name, shape, dtype in meta.tensors:

@@ -147,7 +147,7 @@ class SpanCache:
 
         # 1. fetch or compile every reused span (dependencies first: they are earlier items)
         compiled: dict[int, CompiledSpan] = {}
-        hits = misses = compiled_tokens = 0
+        misses = compiled_tokens = 0
         hit_items: list[int] = []
         compile_ms = fetch_ms = 0.0
         for i, item in enumerate(plan.items):
@@ -158,7 +158,6 @@ class SpanCache:
             elapsed = (time.perf_counter() - t0) * 1e3
             compiled[i] = entry
             if hit:
-                hits += 1
                 hit_items.append(i)
                 fetch_ms += elapsed
             else:
@@ -214,7 +213,7 @@ class SpanCache:
             prefilled_tokens=int(layout.computed.numel()),
             padding_tokens=n_slots - context_tokens,
             compiled_tokens=compiled_tokens,
-            hits=hits,
+            hits=len(hit_items),
             misses=misses,
             cached_tokens=cached,
             fetch_ms=fetch_ms,

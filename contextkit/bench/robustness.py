@@ -53,10 +53,10 @@ import uuid
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 from contextkit.bench.data import load_records
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.bench.proxy import _rss_kb, _split_cpus
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.process import free_port, wait_for_health
 from contextkit.integrations.vllm_server import served_model
@@ -376,10 +376,6 @@ def _metric(url: str, name: str) -> float:
 # -- one server --------------------------------------------------------------------------------------
 
 
-def _rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 2**20
-
-
 def _server(ctx: BenchContext, server: str, url_of: dict, keys_file: Path, cpus: tuple[int, ...], logs: Path):
     port = free_port()
     common = ["--port", str(port), "--api-keys-file", str(keys_file), "--model", ctx.config.model]
@@ -418,7 +414,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         asyncio.run(_good(url, work, streams, 0.0, max_tokens, timeout_s, rounds=len(work.records) * 4 // streams + 1))
         tick(f"{server}: baseline")
         base, base_err, base_hangs = asyncio.run(_good(url, work, streams, baseline_s, max_tokens, timeout_s))
-        rss0 = _rss_mb(proc.pid)
+        rss0 = _rss_kb(proc.pid) / 1024
         kv0 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: under abuse")
         abuser, q = _start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
@@ -429,7 +425,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         except Exception:  # noqa: BLE001 - queue.Empty, or the child died
             raise ConfigError(f"the abuser process did not report (exit code {abuser.exitcode})") from None
         abuser.join(30)
-        rss1 = _rss_mb(proc.pid)
+        rss1 = _rss_kb(proc.pid) / 1024
         kv1 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: probes")
         sent, leaks, what = _probe(url, server, work, probes, timeout_s)
@@ -471,7 +467,6 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.bench.proxy import _split_cpus
     from contextkit.core.models import prepare
     from contextkit.integrations.services import redis_server
     from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig

@@ -166,12 +166,13 @@ class ProxyApp:
         tenant = self.tenancy.authenticate(auth)  # 401 before anything else is read
         body = None
         if method in ("POST", "PUT", "PATCH"):
-            kind = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
+            is_json = next((v for k, v in scope["headers"] if k == b"content-type"),
+                           b"application/json").startswith(b"application/json")
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             body = await read_body(receive, self.settings.max_body_bytes, declared)
             # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
             # (multipart audio uploads, ...) go as they are
-            parsed = json_body(body) if kind.startswith(b"application/json") else {}
+            parsed = json_body(body) if is_json else {}
             n = parsed.get("n")
             if path in SALTED and type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
                 raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
@@ -180,7 +181,7 @@ class ProxyApp:
                 t["documents"] = True
                 return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,
                                        parsed, t)
-            if path in SALTED and kind.startswith(b"application/json"):
+            if path in SALTED and is_json:
                 # the server sets the salt: the tenant's, with the client's own mixed in (never as it is)
                 own = parsed.get("cache_salt")
                 if own is not None and not isinstance(own, str):
