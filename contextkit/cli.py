@@ -231,6 +231,7 @@ def proxy(
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[Optional[bool], typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = None,
     upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
+    rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -239,10 +240,19 @@ def proxy(
 
     if config is not None and not config.is_file():
         _fail(f"--config {config} does not exist")
+    from contextkit.integrations.ratelimit import RateLimit
+
+    rate = None
+    if rate_limit is not None:
+        try:
+            rate = RateLimit.parse(rate_limit)
+        except ContextKitError as exc:
+            _fail(f"--rate-limit: {exc}")
     flags = {k: v for k, v in dict(upstreams=upstream or None, host=host, port=port, timeout_s=timeout_s,
                                    block_size=block_size, model=model, api_keys_file=api_keys_file,
                                    allow_client_tenant=allow_client_tenant,
-                                   upstream_api_key=upstream_api_key).items() if v is not None}
+                                   upstream_api_key=upstream_api_key, rate_per_s=rate and rate.rate_per_s,
+                                   rate_burst=rate and rate.burst).items() if v is not None}
     try:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError) as exc:
@@ -270,13 +280,15 @@ def serve_cmd(
     api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY", help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")] = None,
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
+    rate_limit: Annotated[str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body is read. 0: no limit.")] = "10/20",
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     import uvicorn
 
     from contextkit.core.config import KVStoreConfig
     from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys
-    from contextkit.integrations.serve import create_serve_app
+    from contextkit.integrations.ratelimit import RateLimit
+    from contextkit.integrations.serve import ServeLimits, create_serve_app
     from contextkit.kit import ContextKit
 
     try:
@@ -284,6 +296,7 @@ def serve_cmd(
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url, encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
         tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
+        limits = ServeLimits(rate=RateLimit.parse(rate_limit))
         err.print(check_bind(tenancy, host))
         status, update = _status(err)
         with status:
@@ -293,7 +306,7 @@ def serve_cmd(
         _fail(str(exc))
     err.print(f"serving {model} as {served_model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)")
     try:
-        uvicorn.run(create_serve_app(kit, served_model_name, tenancy), host=host, port=port, log_level="warning",
+        uvicorn.run(create_serve_app(kit, served_model_name, tenancy, limits), host=host, port=port, log_level="warning",
                     timeout_graceful_shutdown=30)
     finally:
         kit.close()

@@ -19,7 +19,7 @@ REF = "#/components/schemas/{model}"
 # what every route may answer beside its success; 502/503/504 only where an upstream is involved
 CLIENT_ERRORS = {"400": "malformed JSON", "401": "no or unknown API key", "403": "a tenant the key may not use",
                  "413": "body or prompt too large", "422": "a field out of range or of the wrong type",
-                 "429": "the engine queue is full (Retry-After)"}
+                 "429": "the tenant is over its request rate, or (serve) the engine queue is full (Retry-After)"}
 UPSTREAM_ERRORS = {"502": "the upstream failed", "503": "no healthy upstream", "504": "the upstream or the deadline timed out"}
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -48,9 +48,7 @@ def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
     _, defs = models_json_schema([(ChatBody, "validation"), (CompletionBody, "validation")], ref_template=REF)
     schemas = {**defs["$defs"], "Error": _ERROR}
     errors = {**CLIENT_ERRORS, **({"504": "past the request's deadline"} if server == "serve" else UPSTREAM_ERRORS)}
-    if server == "proxy":
-        errors.pop("429")
-    authed = {k: v for k, v in errors.items() if k in ("401", *UPSTREAM_ERRORS)}
+    authed = {k: v for k, v in errors.items() if k in ("401", "429", *UPSTREAM_ERRORS)}
     paths = {
         "/v1/chat/completions": _post("ChatBody", errors, "chat completion; `documents` are ordered (proxy) or "
                                                           "reused as spans (serve)"),

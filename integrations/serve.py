@@ -35,6 +35,7 @@ from contextkit.integrations.openai_api import (
     sse, usage, validate,
 )  # fmt: skip
 from contextkit.integrations.openapi import openapi_schema
+from contextkit.integrations.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.scheduler import FairScheduler, Job
 from contextkit.kvstore.metrics import StoreCollector
 
@@ -48,7 +49,8 @@ class ServeLimits:
         max_active: requests decoding in turns at once (each holds its KV); the others wait their turn.
         deadline_s: a request's longest time from arrival to its last token (then 504, or an error event).
         max_body_bytes: a larger request body gets 413.
-        retry_after_s: what a 429 tells the client to wait.
+        retry_after_s: what a 429 from a full queue tells the client to wait.
+        rate: requests per second per tenant, checked before the body is read (429 past it).
     """
 
     max_queue: int = 32
@@ -57,6 +59,7 @@ class ServeLimits:
     deadline_s: float = 300.0
     max_body_bytes: int = 8 << 20
     retry_after_s: float = 2.0
+    rate: RateLimit = RateLimit(10.0, 20)  # the engine answers a few requests a second in all
 
     def __post_init__(self) -> None:
         if min(self.max_queue, self.max_queue_per_tenant, self.max_active, self.max_body_bytes) < 1 or self.deadline_s <= 0:
@@ -73,6 +76,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     tenancy = tenancy or Tenancy()
     pending: set[Job] = set()  # queued or running on the engine thread
     scheduler = FairScheduler(limits.max_active)
+    limiter = RateLimiter(limits.rate)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -222,7 +226,10 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         return body.sampling()
 
     def caller(request: Request) -> Tenant:
-        return tenancy.authenticate(request.headers.get("authorization"))
+        """The key's tenant, within its request rate (401 and 429 come before the body is read)."""
+        tenant = tenancy.authenticate(request.headers.get("authorization"))
+        limiter.check(tenant)
+        return tenant
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -266,4 +273,5 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     app.state.kit, app.state.tenancy, app.state.pending, app.state.scheduler = kit, tenancy, pending, scheduler
+    app.state.limiter = limiter
     return app

@@ -526,5 +526,6 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                                                  ("serve_streams", 8), ("probes", 16), ("max_tokens", 8),
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,
+                  rate_limit={"serve": "10/20 (its default)", "proxy": "none (its default)"},
                   upstream=ctx.option("upstream", "") or "started by the bench")
     return BenchResult("robustness", config, rows, summary)

@@ -17,6 +17,7 @@ ContextKitError                  500
 │   ├── AuthenticationError      401  no API key, or one the server does not know
 │   └── PermissionDeniedError    403  a key asking for what it may not (another tenant)
 ├── OverloadedError              429  the server's queue is full (retry after ``retry_after_s``)
+│   └── RateLimitError               a tenant sent more requests per second than its limit
 ├── DeadlineExceededError        504  a request ran past its deadline
 ├── KVCacheError                 500  a KV cache misuse (out of capacity, mismatched shapes)
 │   └── CorruptEntryError            stored KV bytes that fail a check: dropped and recomputed, never served
@@ -94,6 +95,10 @@ class OverloadedError(ContextKitError):
     def __init__(self, message: str, retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RateLimitError(OverloadedError):
+    """A tenant's requests came faster than the server's per-tenant rate; retry after ``retry_after_s``."""
 
 
 class DeadlineExceededError(ContextKitError):

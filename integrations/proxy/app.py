@@ -35,6 +35,7 @@ from contextkit.integrations.openai_api import ClientGone, error_body, error_hea
 from contextkit.integrations.proxy.documents import documents
 from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
 from contextkit.integrations.proxy.settings import ProxySettings
+from contextkit.integrations.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.upstreams import UpstreamPool
 
 log = logging.getLogger("contextkit.proxy")
@@ -107,6 +108,7 @@ class ProxyApp:
         self.upstreams = Upstreams(settings, self.metrics)
         self.metrics.registry.register(PoolCollector(self.upstreams.pool))
         self.tenancy = tenancy_of(settings)
+        self.limiter = RateLimiter(RateLimit(settings.rate_per_s, settings.rate_burst))
         self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings,
                                      tenancy=self.tenancy)
         self._planner: Planner | None = None
@@ -164,6 +166,7 @@ class ProxyApp:
                      "/detokenize, /version, /health and /metrics"))
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         tenant = self.tenancy.authenticate(auth)  # 401 before anything else is read
+        self.limiter.check(tenant)  # and 429 over the tenant's rate
         body = None
         if method in ("POST", "PUT", "PATCH"):
             is_json = next((v for k, v in scope["headers"] if k == b"content-type"),

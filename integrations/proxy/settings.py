@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
 
 
@@ -31,6 +32,9 @@ class ProxySettings(BaseSettings):
     secret: str | None = None  # derives cache salts; default: a file under cache_dir, made once
     secret_file: Path | None = None
     upstream_api_key: str | None = None  # sent to every upstream (vLLM started with --api-key)
+    # requests per second per tenant, checked before the body is read (429 past it); 0: no limit, as vLLM
+    rate_per_s: float = Field(0.0, ge=0)
+    rate_burst: int = Field(0, ge=0)  # requests a quiet tenant may send at once; 0: twice the rate
 
 
 def load_settings(file: Path | None = None, **flags) -> ProxySettings:

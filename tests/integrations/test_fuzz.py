@@ -10,6 +10,7 @@ from contextkit import ContextKit
 from contextkit.bench.fuzz import fuzz
 from contextkit.core.tenancy import Tenancy
 from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.integrations.ratelimit import RateLimit
 from contextkit.integrations.serve import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow
@@ -24,8 +25,9 @@ def _assert_clean(report) -> None:
 
 def test_fuzz_serve(config, app_thread):
     kit = ContextKit(config)
-    # a short deadline bounds the valid cases that decode (504 is documented); the schema does the rest
-    with app_thread(create_serve_app(kit, "k", Tenancy(KEYS), ServeLimits(deadline_s=1.0))) as s:
+    # a short deadline bounds the valid cases that decode (504 is documented); the schema does the rest;
+    # no rate limit, or most cases would be 429s that test nothing past the key check
+    with app_thread(create_serve_app(kit, "k", Tenancy(KEYS), ServeLimits(deadline_s=1.0, rate=RateLimit()))) as s:
         report = fuzz(s.url, "serve", 250, "key-acme-0001", timeout_s=30)
     kit.close()
     _assert_clean(report)

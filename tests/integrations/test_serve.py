@@ -15,6 +15,7 @@ import pytest
 from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
 from contextkit.core.tenancy import Tenancy
 from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.integrations.ratelimit import RateLimit
 from contextkit.integrations.serve import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.slow
 def served(config, app_thread):
     kit = ContextKit(config)
     # open (loopback) with client-chosen tenants: the tests play several tenants without keys
-    with app_thread(create_serve_app(kit, "smol-local", Tenancy(allow_client_tenant=True))) as s:
+    # no rate limit: the tests send bursts (test_ratelimit.py tests the limit)
+    with app_thread(create_serve_app(kit, "smol-local", Tenancy(allow_client_tenant=True),
+                                     ServeLimits(rate=RateLimit()))) as s:
         yield s, kit, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
     kit.close()
 
