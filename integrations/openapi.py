@@ -63,7 +63,7 @@ def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
             "summary": "token ids of a prompt", "security": [{"bearer": []}],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "properties": {"prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}}}}},
-            "responses": _responses({k: v for k, v in errors.items() if k in ("400", "401", "413", "422")})}}
+            "responses": _responses({k: v for k, v in errors.items() if k in ("400", "401", "413", "422", "429")})}}
     return {"openapi": "3.1.0",
             "info": {"title": f"contextkit {server}", "version": "1",
                      "description": "OpenAI-compatible; errors are OpenAI error objects with the statuses listed"},

@@ -12,7 +12,9 @@ tenants that send one request each). Per server:
    a lower CPU priority (``nice`` +10: on this 2-core machine a fuzzer at full priority measures the
    machine, not the server), sends schemathesis cases from the server's OpenAPI document (valid and
    invalid bodies, keys missing) in one thread, and hand-made abuse in three more (``--set
-   abuse_threads=3``, each sending its next request when the last is answered): malformed bodies
+   abuse_threads=3``, each sending its next request when the last is answered; against serve paced to
+   ``--set serve_abuse_rate=20`` requests/s in all, 0 = as fast as answered, as against the proxy,
+   ``proxy_abuse_rate=0``: see below): malformed bodies
    (broken JSON, 3000 ``[``, random bytes, NaN), oversized ones (a body past the limit, a prompt past the
    context), spoofed ones (no key, a wrong key, a body naming another tenant, another tenant's name as
    ``cache_salt``) and dropped ones (half a body then a hang-up, a stream dropped after its first
@@ -26,6 +28,12 @@ tenants that send one request each). Per server:
    not the deployment secret compiles the documents of questions nobody asked yet under a good tenant's
    keys (right format, its own MAC key). That tenant then asks them: every span hit on a forged
    document is a forged entry served; the tier's ``corrupt`` counter says how many were caught.
+
+Pacing. A client that sends as fast as it is answered, against serve (whose API key check and rate
+limit refuse it in ~0.25 ms of server CPU a request), reaches several hundred requests/s; on this 2-core
+machine that client and the server's HTTP handling then take CPU the engine's two threads need, and the
+figure measures the machine's share-out, not a defence. serve's abuser is therefore paced (20 requests/s,
+three times the volume the targets ask for); ``--set serve_abuse_rate=0`` floods it as the proxy is.
 
 Summary (worst of the servers): ``fuzz_requests`` (the abuser's, all kinds), ``schemathesis_requests``,
 ``server_errors`` (5xx other
@@ -205,7 +213,7 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
 
 
 def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-           handmade_threads: int, out) -> None:
+           handmade_threads: int, rate: float, out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
     its counts go to ``out``."""
     os.nice(10)
@@ -237,12 +245,18 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
                 note(finding=str(f)[:300])
             rounds += 1
 
+    gap = handmade_threads / rate if rate > 0 else 0.0  # seconds between one thread's sends
+
     def handmade() -> None:
         rounds = 0
+        due = time.monotonic()
         while time.monotonic() < deadline:
             for kind, raw, how in _handmade(server, max_body, model):
                 if how.get("big") and rounds % 10:
                     continue  # a body past the limit every 10th round: its bytes cost the machine, not the server
+                if gap:  # paced: the next send is due `gap` after the last was due (none skipped when late)
+                    due += gap
+                    time.sleep(max(0.0, due - time.monotonic()))
                 note(**{kind: 1})
                 try:
                     if how.get("drop_stream"):
@@ -279,10 +293,10 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
 
 def _start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-                  handmade_threads: int):
+                  handmade_threads: int, rate: float):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, q),
+    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate, q),
                        daemon=True)
     proc.start()
     return proc, q
@@ -418,7 +432,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         kv0 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: under abuse")
         abuser, q = _start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
-                                  o("abuse_threads", 3, int))
+                                  o("abuse_threads", 3, int), o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float))
         under, err, hangs = asyncio.run(_good(url, work, streams, duration_s, max_tokens, timeout_s))
         try:
             counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
@@ -522,7 +536,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         summary[f"{r['server']}_findings"] = r.pop("_findings")
     summary["requests"] = sum(r["good_requests_baseline"] + r["good_requests_abuse"] + r["fuzz_requests"] for r in rows)
     config = {k: ctx.option(k, d) for k, d in (("baseline_s", 60.0), ("duration_s", 300.0), ("streams", 64), ("questions", 24),
-                                                 ("abuse_threads", 3),
+                                                 ("abuse_threads", 3), ("proxy_abuse_rate", 0.0),
+                                                 ("serve_abuse_rate", 20.0),
                                                  ("serve_streams", 8), ("probes", 16), ("max_tokens", 8),
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,
