@@ -12,9 +12,9 @@ tenants that send one request each). Per server:
    a lower CPU priority (``nice`` +10: on this 2-core machine a fuzzer at full priority measures the
    machine, not the server), sends schemathesis cases from the server's OpenAPI document (valid and
    invalid bodies, keys missing) in one thread, and hand-made abuse in three more (``--set
-   abuse_threads=3``, each sending its next request when the last is answered; against serve paced to
-   ``--set serve_abuse_rate=20`` requests/s in all, 0 = as fast as answered, as against the proxy,
-   ``proxy_abuse_rate=0``: see below): malformed bodies
+   proxy_abuse_threads=3``, each sending its next request when the last is answered; against serve 8
+   threads, ``serve_abuse_threads``, paced to ``--set serve_abuse_rate=20`` requests/s in all, 0 = as
+   fast as answered, as against the proxy, ``proxy_abuse_rate=0``: see below): malformed bodies
    (broken JSON, 3000 ``[``, random bytes, NaN), oversized ones (a body past the limit, a prompt past the
    context), spoofed ones (no key, a wrong key, a body naming another tenant, another tenant's name as
    ``cache_salt``) and dropped ones (half a body then a hang-up, a stream dropped after its first
@@ -432,7 +432,8 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         kv0 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: under abuse")
         abuser, q = _start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
-                                  o("abuse_threads", 3, int), o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float))
+                                  o(f"{server}_abuse_threads", 8 if server == "serve" else 3, int),
+                                  o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float))
         under, err, hangs = asyncio.run(_good(url, work, streams, duration_s, max_tokens, timeout_s))
         try:
             counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
@@ -536,7 +537,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         summary[f"{r['server']}_findings"] = r.pop("_findings")
     summary["requests"] = sum(r["good_requests_baseline"] + r["good_requests_abuse"] + r["fuzz_requests"] for r in rows)
     config = {k: ctx.option(k, d) for k, d in (("baseline_s", 60.0), ("duration_s", 300.0), ("streams", 64), ("questions", 24),
-                                                 ("abuse_threads", 3), ("proxy_abuse_rate", 0.0),
+                                                 ("proxy_abuse_threads", 3), ("serve_abuse_threads", 8),
+                                                 ("proxy_abuse_rate", 0.0),
                                                  ("serve_abuse_rate", 20.0),
                                                  ("serve_streams", 8), ("probes", 16), ("max_tokens", 8),
                                                  ("timeout_s", 60.0))}
