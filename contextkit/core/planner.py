@@ -27,15 +27,16 @@ from cachetools import LRUCache
 from contextkit.core.align import align
 from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, render_document, render_frame
+from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, render_document, render_erratum, render_frame, render_skill
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Doc, Evidence, Message, OrderResult, Span
+from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
 
 Ordering = Literal["weaver", "retrieval"]
 ORDERINGS: tuple[str, ...] = ("weaver", "retrieval")
 MAX_DOCUMENTS = 1024  # per request; beyond this a request is certainly malformed
 MAX_ID_CHARS = 256  # a document id (kept in ordering trees, so bounded)
+MAX_SKILLS = 64  # per request
 
 
 class Orderer(Protocol):
@@ -53,6 +54,8 @@ class ChatRequest:
     Attributes:
         messages: the chat turns, all kept; the last user message is the question.
         documents: retrieved evidence, in retrieval order.
+        skills: skills the request needs; rendered at the end of the system message in one canonical
+            order (by name, then version), so a popular set is one prefix the engine keeps warm.
         tenant: whose cached state the request may use.
         ordering: ``weaver`` (most reusable order for the tenant's history) or ``retrieval`` (as given).
         block_align: pad the prefix and each document to the orderer's block size (prompt path).
@@ -63,6 +66,7 @@ class ChatRequest:
 
     messages: tuple[Message, ...]
     documents: tuple[Evidence, ...] = ()
+    skills: tuple[Skill, ...] = ()
     tenant: Tenant = field(default_factory=Tenant)
     ordering: Ordering = "weaver"
     block_align: bool = False
@@ -77,7 +81,11 @@ class ChatRequest:
             raise InputError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}", "contextkit")
         if len(self.documents) > MAX_DOCUMENTS:
             raise InputError(f"{len(self.documents)} documents in one request; at most {MAX_DOCUMENTS}", "documents")
-        if any(MARK in m.content for m in self.messages):
+        if len(self.skills) > MAX_SKILLS:
+            raise InputError(f"{len(self.skills)} skills in one request; at most {MAX_SKILLS}", "skills")
+        if len({s.name for s in self.skills}) < len(self.skills):
+            raise InputError("a skill is named twice; send each skill once (one version of it)", "skills")
+        if any(MARK in m.content or SKILLS_MARK in m.content for m in self.messages):
             raise InputError("a message contains contextkit's internal marker (NUL characters); remove them",
                              "messages")
 
@@ -142,18 +150,34 @@ class Planner:
                 self._docs[key] = ids
         return ids
 
-    def frame(self, request: ChatRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Prefix and suffix ids around the documents; cached per conversation."""
+    def skill_tokens(self, skill: Skill) -> tuple[int, ...]:
+        """The skill's block of tokens, cached by content."""
+        key = "skill:" + hashlib.sha256(f"{skill.name}\x00{skill.text}".encode()).hexdigest()
+        with self._lock:
+            ids = self._docs.get(key)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(render_skill(skill)))
+            with self._lock:
+                self._docs[key] = ids
+        return ids
+
+    def errata_tokens(self, skill: Skill) -> list[tuple[int, ...]]:
+        """One block of tokens per erratum of ``skill``, in order."""
+        return [tuple(self.tokenizer.encode(render_erratum(old, new))) for old, new in skill.errata]
+
+    def frame(self, request: ChatRequest) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Ids before the skills (or documents), between skills and documents, and after the documents;
+        cached per conversation."""
         msgs = list(request.messages)
-        with_docs = bool(request.documents)
+        with_docs, with_skills = bool(request.documents), bool(request.skills)
         if with_docs and request.default_system and not any(m.role == "system" for m in msgs):
             msgs.insert(0, Message("system", request.default_system))
-        key = json.dumps([with_docs, [(m.role, m.content) for m in msgs]])
+        key = json.dumps([with_docs, with_skills, [(m.role, m.content) for m in msgs]])
         with self._lock:
             got = self._frames.get(key)
         if got is None:
-            head, tail = render_frame(self.tokenizer, msgs, with_docs)
-            got = (tuple(head), tuple(tail))
+            head, middle, tail = render_frame(self.tokenizer, msgs, with_docs, with_skills)
+            got = (tuple(head), tuple(middle), tuple(tail))
             with self._lock:
                 self._frames[key] = got
         return got
@@ -186,17 +210,25 @@ class Planner:
         if orderer is not None and request.ordering == "weaver" and docs:
             result = orderer.order(docs, request.tenant, record=False)
         order = result.order if result is not None else tuple(range(len(docs)))
-        head, tail = self.frame(request)
+        head, middle, tail = self.frame(request)
+        skills = sorted(request.skills, key=lambda s: (s.name, s.version))  # one canonical order
+        # each skill, then its errata (computed in context: they must read the skill they correct)
+        pre_items = [(b, s, i) for s in skills for i, b in enumerate([self.skill_tokens(s), *self.errata_tokens(s)])]
+        pre = [b for b, _, _ in pre_items] + ([middle] if middle else [])
         blocks = [self.document_tokens(request.documents[i]) for i in order]
         padding = 0
         if request.block_align and self.block_size > 1:
-            aligned = align(head, blocks, self.block_size, self.pad_id)
-            head, blocks, padding = aligned.prefix, aligned.documents, aligned.padding
-        if not tail:  # a chat without documents: the whole prompt is the query, computed as it is
+            aligned = align(head, pre + blocks, self.block_size, self.pad_id)
+            head, padding = aligned.prefix, aligned.padding
+            pre, blocks = list(aligned.documents[: len(pre)]), list(aligned.documents[len(pre):])
+        if not tail:  # a chat without documents or skills: the whole prompt is the query, computed as it is
             items: tuple[PlanItem, ...] = (PlanItem(Span(head, "query"), reuse=False),)
         else:
             items = (
                 *((PlanItem(Span(head, "system")),) if head else ()),
+                *(PlanItem(Span(b, "skill", (f"{s.name}@{s.version}" if s.version else s.name) + (":erratum" if e else "")),
+                           reuse=not e) for b, (_, s, e) in zip(pre, pre_items)),
+                *((PlanItem(Span(pre[-1], "system")),) if middle else ()),
                 *(PlanItem(Span(b, "document", docs[i].id)) for b, i in zip(blocks, order)),
                 PlanItem(Span(tail, "query"), reuse=False),
             )

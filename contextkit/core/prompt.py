@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Evidence, Message
+from contextkit.core.types import Evidence, Message, Skill
 
 DEFAULT_SYSTEM = (
     "You are a helpful assistant. Answer the question using the documents. "
@@ -18,6 +18,18 @@ DEFAULT_SYSTEM = (
 # Splits the rendered chat text where the documents go. No client text may contain it: the planner
 # refuses messages that do (a message holding it would move the split).
 MARK = "\x00contextkit-documents\x00"
+SKILLS_MARK = "\x00contextkit-skills\x00"  # where skills go: the end of the system message
+
+
+def render_skill(skill: Skill) -> str:
+    """One skill as a block: ``Skill: name`` line, its text, blank line (the same tokens wherever it
+    lands; its errata are blocks of their own, after it)."""
+    return f"Skill: {skill.name}\n{skill.text.strip()}\n\n"
+
+
+def render_erratum(old: str, new: str) -> str:
+    """A correction appended after a skill instead of recompiling it."""
+    return f'Correction: in this skill, "{old}" is now "{new}". Use "{new}" wherever the skill says "{old}".\n\n'
 
 
 def render_document(doc: Evidence) -> str:
@@ -31,16 +43,22 @@ def render_document(doc: Evidence) -> str:
 
 
 def render_frame(
-    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True
-) -> tuple[list[int], list[int]]:
+    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False
+) -> tuple[list[int], list[int], list[int]]:
     """Token ids before and after the documents of a chat.
 
     With documents they go at the start of the last user message, which becomes ``Question: <content>``;
     every earlier turn is kept as it is. Without documents the chat is rendered as it is (the suffix is
     empty), the tokens the model's own chat template gives.
 
+    With skills, they go at the end of the system message (one is added if the chat has none), after
+    a blank line: ``head`` ends there, ``middle`` runs from the end of the system message to the
+    documents. Returns (head, middle, tail); without skills ``middle`` is empty and ``head`` runs to the
+    documents.
+
     A model without a chat template (Gemma 3 270M in its wheel is a base model) gets a plain completion
-    prompt: BOS, the system message, the documents, ``Question: ...\\nAnswer:``; other turns are dropped.
+    prompt: BOS, the system message, the skills, the documents, ``Question: ...\\nAnswer:``; other turns
+    are dropped.
     """
     msgs = [{"role": m.role, "content": m.content} for m in messages]
     last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
@@ -48,9 +66,24 @@ def render_frame(
     if not tokenizer.has_chat_template:
         system = next((m["content"] for m in msgs if m["role"] == "system"), "")
         head = system + "\n\n" if system else ""
-        return tokenizer.encode(head, add_special_tokens=True), tokenizer.encode(f"Question: {question}\nAnswer:")
+        return tokenizer.encode(head, add_special_tokens=True), [], tokenizer.encode(f"Question: {question}\nAnswer:")
+    if with_skills:
+        sys_at = next((i for i, m in enumerate(msgs) if m["role"] == "system"), None)
+        if sys_at is None:
+            msgs.insert(0, {"role": "system", "content": SKILLS_MARK})
+            last += 1
+        else:
+            text = msgs[sys_at]["content"].rstrip()
+            msgs[sys_at]["content"] = (text + "\n\n" if text else "") + SKILLS_MARK
+    if with_documents:
+        msgs[last]["content"] = MARK + f"Question: {question}"
+    text = tokenizer.render_chat(msgs)
+    head, middle = text.split(SKILLS_MARK) if with_skills else (text, "")
     if not with_documents:
-        return tokenizer.encode(tokenizer.render_chat(msgs)), []
-    msgs[last]["content"] = MARK + f"Question: {question}"
-    head, tail = tokenizer.render_chat(msgs).split(MARK)
-    return tokenizer.encode(head), tokenizer.encode(tail)
+        # no documents: everything after the skills is the query (without skills, the whole chat is)
+        return (tokenizer.encode(head), [], tokenizer.encode(middle)) if with_skills else (tokenizer.encode(head), [], [])
+    if with_skills:
+        middle, tail = middle.split(MARK)
+    else:
+        head, tail = head.split(MARK)
+    return tokenizer.encode(head), tokenizer.encode(middle), tokenizer.encode(tail)

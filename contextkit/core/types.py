@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,30 @@ class Evidence:
     text: str
     id: str | None = None
     title: str | None = None
+
+
+def skill_version(name: str, text: str) -> str:
+    """A skill's version: a hash of its name and text (hex, 16 characters)."""
+    return hashlib.sha256(f"skill-v1\x00{name}\x00{text}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Skill:
+    """One version of a procedural skill as a request carries it (``contextkit.synthesis.skills`` keeps
+    the library): its name, the text the model reads, the version (a hash of that text), and errata:
+    (old, new) corrections rendered after the text, so the text's compiled KV stays valid."""
+
+    name: str
+    text: str
+    version: str = ""
+    description: str = ""
+    errata: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.strip():
+            raise EmptyInputError("a skill needs a name")
+        if not self.text or not self.text.strip():
+            raise EmptyInputError(f"skill {self.name!r} has no text; give it the body of its SKILL.md")
 
 
 SpanKind = Literal["document", "skill", "code", "tool_output", "system", "query"]
