@@ -23,11 +23,12 @@ from contextkit.core.kvcache import KVCache
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import Evidence, Message, Span
+from contextkit.core.types import Evidence, Message, Skill, Span
 from contextkit.engine import Engine
 from contextkit.kit import ContextKit
 from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import Assembly, SpanCache
+from contextkit.synthesis.skills import ErrataRule, SkillError, SkillLibrary
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,10 @@ __all__ = [
     "RequestPlan",
     "ReuseOptions",
     "ReuseReport",
+    "Skill",
+    "SkillError",
+    "SkillLibrary",
+    "ErrataRule",
     "Span",
     "SpanCache",
     "ConfigError",

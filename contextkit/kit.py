@@ -20,7 +20,7 @@ from contextkit.core.planner import ChatRequest, Ordering, Planner
 from contextkit.core.tenancy import derive
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Evidence, Message
+from contextkit.core.types import Evidence, Message, Skill
 from contextkit.engine.generate import Stream
 from contextkit.engine.model import Engine
 from contextkit.kernels.rerotate import Rerotator
@@ -28,6 +28,7 @@ from contextkit.kvstore.tiered import build_store
 from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.store import KVSpanStore
+from contextkit.synthesis.skills import SkillLibrary
 
 
 class KitStream:
@@ -86,6 +87,8 @@ class ContextKit:
             rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
             tokenizer_fingerprint=self.tokenizer.fingerprint,
         )
+        # skills registered here compile into the same span cache (kit.skills.register(folder))
+        self.skills = SkillLibrary(self.planner, self.spans)
 
     def close(self) -> None:
         """Close the KV store's tiers (LMCache runs threads that would otherwise keep the process alive)."""
@@ -106,10 +109,14 @@ class ContextKit:
         reuse: ReuseOptions | None = None,
         tenant: Tenant | str = "",
         ordering: Ordering = "weaver",
+        skills: Sequence[Skill | str] = (),
     ) -> ChatRequest:
         """The request the planner sees: a question (with ``system``: None = the default RAG prompt,
-        "" = none) or a whole conversation as chat messages (every turn is kept)."""
-        common = dict(tenant=Tenant.of(tenant), ordering=ordering, reuse=reuse, max_new_tokens=params.max_new_tokens)
+        "" = none) or a whole conversation as chat messages (every turn is kept). ``skills``: skills (or
+        names of skills registered in ``self.skills``) rendered after the system prompt."""
+        chosen = tuple(s if isinstance(s, Skill) else self.skills.get(s) for s in skills)
+        common = dict(tenant=Tenant.of(tenant), ordering=ordering, reuse=reuse, max_new_tokens=params.max_new_tokens,
+                      skills=chosen)
         if isinstance(question, str):
             return ChatRequest.ask(question, documents, system, **common)
         msgs = tuple(m if isinstance(m, Message) else Message(m["role"], m.get("content") or "") for m in question)
@@ -142,6 +149,7 @@ class ContextKit:
         reuse: ReuseOptions | None = None,
         tenant: Tenant | str = "",
         ordering: Ordering = "weaver",
+        skills: Sequence[Skill | str] = (),
     ) -> KitStream:
         """Iterate over the returned stream for text deltas; its ``result`` holds the Generation.
 
@@ -149,7 +157,7 @@ class ContextKit:
         re-positioned into later requests, recomputing what ``reuse`` says (see ReuseOptions).
         ``tenant`` is part of every span key and has its own ordering history: tenants share nothing.
         """
-        req = self.request(question, documents, system, params, reuse, tenant, ordering)
+        req = self.request(question, documents, system, params, reuse, tenant, ordering, skills)
         return self.run(self.plan(req), params)
 
     def generate(
@@ -161,9 +169,10 @@ class ContextKit:
         reuse: ReuseOptions | None = None,
         tenant: Tenant | str = "",
         ordering: Ordering = "weaver",
+        skills: Sequence[Skill | str] = (),
     ) -> Generation:
         """Answer ``question`` over ``documents``: full prefill, or span reuse per ``reuse``.
 
         The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
         """
-        return self.stream(question, documents, system, params, reuse, tenant, ordering).finish()
+        return self.stream(question, documents, system, params, reuse, tenant, ordering, skills).finish()

@@ -108,13 +108,25 @@ class SpanCache:
             prev_reused = item.reuse
         return placed, owner, slot
 
-    def assemble(self, plan: RequestPlan, extra_capacity: int = 256) -> Assembly:
+    def assemble(self, plan: RequestPlan, extra_capacity: int = 256,
+                 provided: dict[int, CompiledSpan] | None = None) -> Assembly:
         """Build the request's KV per ``plan.options`` and prefill its query.
 
         Args:
             plan: spans in order, the last one the query (not reused).
             extra_capacity: free slots left in the cache for decoding.
+            provided: KV the caller already holds for some reused items (plan index -> span, e.g. an
+                agent branch's generated tokens): used instead of the store, counted as hits.
         """
+        provided = provided or {}
+        for i, span in provided.items():
+            if not 0 <= i < len(plan.items) or not plan.items[i].reuse:
+                raise ConfigError(f"provided KV for item {i}, which is not a reused item of the plan")
+            if span.token_ids != plan.items[i].span.token_ids:
+                raise ConfigError(f"provided KV for item {i} holds other tokens than the item")
+            if span.key.identity != self.identity or span.problem(span.key) is not None:
+                raise ConfigError(f"provided KV for item {i} is for another model or malformed "
+                                  f"({span.problem(span.key) or 'model, tokenizer, dtype or RoPE differ'})")
         t_start = time.perf_counter()
         engine, opts = self.engine, plan.options
         if opts is None:
@@ -154,7 +166,10 @@ class SpanCache:
             if not item.reuse:
                 continue
             t0 = time.perf_counter()
-            entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), plan.tenant)
+            if i in provided:
+                entry, hit = provided[i], True
+            else:
+                entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), plan.tenant)
             elapsed = (time.perf_counter() - t0) * 1e3
             compiled[i] = entry
             if hit:

@@ -13,6 +13,7 @@ PUBLIC = [
     "Engine", "Evidence", "Generation", "InputError", "KVCache", "KVCacheError", "ModelError",
     "ModelNotFoundError", "PromptTooLongError", "SamplingParams", "UnsupportedModelError", "__version__",
     "KVStoreConfig", "Weaver", "ChatRequest", "CorruptEntryError", "Message", "Planner", "Tenant", "UpstreamError",
+    "Skill", "SkillError", "SkillLibrary", "ErrataRule",
 ]
 
 
