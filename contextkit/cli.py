@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -198,6 +198,7 @@ def bench(
     upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering, proxy); else one is started.")] = None,
     trace: Annotated[Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")] = None,
     write_trace: Annotated[Optional[Path], typer.Option(help="Save the generated request stream here.")] = None,
+    skills: Annotated[Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills).")] = None,
 ) -> None:
     """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
     from contextkit.bench.harness import BenchContext, run_bench
@@ -206,7 +207,7 @@ def bench(
         extra = dict(kv.split("=", 1) for kv in option)
     except ValueError:
         _fail(f"--set takes KEY=VALUE, got {option!r}")
-    for key, value in (("upstream", upstream), ("trace", trace), ("write_trace", write_trace)):
+    for key, value in (("upstream", upstream), ("trace", trace), ("write_trace", write_trace), ("skills", skills)):
         if value is not None:
             extra[key] = str(value)
     try:

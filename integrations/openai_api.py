@@ -26,7 +26,7 @@ from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import ROLES, Evidence, Message
+from contextkit.core.types import ROLES, Evidence, Message, Skill, skill_version
 
 # chat fields a documents request may carry and the proxy forwards to /v1/completions as they are
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "presence_penalty",
@@ -77,6 +77,20 @@ class DocumentIn(_Strict):
     id: Annotated[str, Field(max_length=256)] | int | None = None
 
     @field_validator("text")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a non-empty string")
+        return v
+
+
+class SkillIn(_Strict):
+    """A skill the request needs: rendered after the system prompt, in one order for every request."""
+
+    name: Annotated[Text, Field(min_length=1, max_length=128)]
+    text: Text = Field(min_length=1)
+
+    @field_validator("name", "text")
     @classmethod
     def _not_blank(cls, v: str) -> str:
         if not v.strip():
@@ -137,6 +151,7 @@ class ChatBody(_Sampling):
 
     messages: list[MessageIn] = Field(min_length=1)
     documents: list[DocumentIn] | None = None
+    skills: Annotated[list[SkillIn], Field(max_length=64)] | None = None
     contextkit: ContextkitOptions | None = None
 
 
@@ -266,13 +281,14 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
                          "contextkit")
     messages = tuple(Message(m.role, m.text()) for m in chat.messages)
     docs = tuple(Evidence(d.text, None if d.id is None else str(d.id), d.title) for d in chat.documents or ())
+    skills = tuple(Skill(k.name, k.text, skill_version(k.name, k.text)) for k in chat.skills or ())
     try:
         runs_as = tenant(opts.tenant)
     except InputError as exc:
         raise InputError(f"contextkit.tenant: {exc}", "contextkit") from None
     # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
-    reuse = reuse_options(opts.reuse) if allow_reuse and (docs or opts.reuse is not None) else None
-    request = ChatRequest(messages, docs, runs_as, opts.ordering, opts.block_align, reuse,
+    reuse = reuse_options(opts.reuse) if allow_reuse and (docs or skills or opts.reuse is not None) else None
+    request = ChatRequest(messages, docs, skills, runs_as, opts.ordering, opts.block_align, reuse,
                           chat.new_tokens or default_max_tokens)
     return chat, request
 

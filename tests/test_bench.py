@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 
 def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir, cli):
@@ -64,3 +66,34 @@ def test_bench_rope_small_run(tmp_path, smol_dir, cli):
     assert proc.returncode == 0, proc.stderr
     s = json.loads(out.read_text())["summary"]
     assert s["rerotate_vs_copy"] > 0 and 0 < s["rerotate_fraction_of_prefill"] < 1
+
+
+def test_bench_skills_small_run(tmp_path, smol_dir, shared_data, cli):
+    if not (shared_data / "skills" / "skills_index.jsonl").is_file():
+        pytest.skip("the shared skills folder is not on this machine")
+    out = tmp_path / "skills.json"
+    proc = cli("bench", "skills", "--n", "2", "--json", str(out), "--set", "pairs=1", "--set", "decode_tokens=4",
+               "--set", "min_tokens=300", "--set", "max_tokens=400")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    for key in ("speedup_vs_full", "top1_agreement", "kl_p50", "answer_agreement_f1", "erratum_agreement",
+                "stale_agreement", "overwrite_agreement"):
+        assert key in s, key
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["full"]["kl_p50"] == 0 and rows["full"]["top1_agreement"] == 1 and rows["full"]["tasks"] == 3
+    assert sum(r["default"] for r in result["rows"]) == 2  # the default policy and the default edit path
+    proc = cli("bench", "skills", "--set", "min_tokens=90000", "--set", f"skills={tmp_path}")
+    assert proc.returncode == 2 and "SKILL.md" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_synthesis_small_run(tmp_path, smol_dir, cli):
+    out = tmp_path / "synthesis.json"
+    proc = cli("bench", "synthesis", "--n", "1", "--json", str(out), "--set", "note_tokens=8",
+               "--set", "answer_tokens=4")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1"):
+        assert key in result["summary"], key
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["text"]["answer_agreement_f1"] == 1.0 and rows["text"]["top1_agreement"] == 1.0

@@ -37,6 +37,8 @@ BENCHES = {
     "store": "contextkit.bench.store",
     "proxy": "contextkit.bench.proxy",
     "robustness": "contextkit.bench.robustness",
+    "skills": "contextkit.bench.skills",
+    "synthesis": "contextkit.bench.synthesis",
 }
 
 

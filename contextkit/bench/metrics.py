@@ -44,3 +44,10 @@ def answer_em(prediction: str, answers: Sequence[str]) -> float:
     """1.0 if the normalised prediction equals a normalised gold answer, else 0.0."""
     pred = _normalize(prediction)
     return float(any(pred == _normalize(a) for a in answers))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token F1 of two answers (``answer_agreement_f1``: 1.0 = the same answer; two empty answers agree)."""
+    if not _normalize(prediction) and not _normalize(reference):
+        return 1.0
+    return answer_f1(prediction, [reference])

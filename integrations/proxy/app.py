@@ -180,7 +180,8 @@ class ProxyApp:
             if path in SALTED and type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
                 raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
                                  "several requests, or ask the operator to raise max_n", "n")
-            if path == "/v1/chat/completions" and ("documents" in parsed or "contextkit" in parsed):
+            if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
+                                                  or "contextkit" in parsed):
                 t["documents"] = True
                 return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,
                                        parsed, t)

@@ -40,6 +40,9 @@ def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None) -> dict
     out = {"order": list(plan.document_ids), "reordered": plan.reordered,
            "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.url, "tenant": plan.tenant.name,
            "padding_tokens": plan.padding_tokens, "prompt_tokens": plan.num_tokens}
+    skills = [it.span.name for it in plan.items if it.span.kind == "skill" and it.reuse]
+    if skills:
+        out["skills"] = skills  # name@version, in the order rendered
     if usage is not None:
         out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return out

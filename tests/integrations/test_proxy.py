@@ -399,3 +399,27 @@ def test_the_upstream_key_is_sent_on_every_call(keyed_vllm, config, app_thread):
     without = ProxySettings(upstreams=[keyed_vllm], cache_dir=config.cache_dir)
     with app_thread(create_app(without)) as p:
         assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 401
+
+
+def test_a_skill_set_is_one_prefix_vllm_keeps_warm(clients):
+    """Skills are rendered after the system prompt in one order: two requests naming the same skills in
+    another order, with other questions, share every block up to the questions in vLLM's prefix cache."""
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    skills = [{"name": "release-notes", "text": "Write release notes as a bulleted list, newest change first. " * 12},
+              {"name": "changelog", "text": "Every changelog entry names the ticket and the author. " * 12}]
+    tenant = f"skills-{uuid.uuid4().hex[:8]}"  # a tenant no earlier run warmed
+
+    def ask(question, order):
+        return via.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=2, temperature=0,
+            extra_body={"skills": order, "contextkit": {"tenant": tenant}, "return_token_ids": True})
+
+    first = ask("Summarise this week's changes.", skills)
+    again = ask("Which ticket fixed the login bug?", skills[::-1])
+    a, b = (r.choices[0].model_extra["prompt_token_ids"] for r in (first, again))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the questions differ from here
+    assert shared > 200  # system prompt + both skills
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= shared - shared % 32 - 32, (cached, shared)
+    assert first.model_extra["contextkit"]["tenant"] == tenant

@@ -1,0 +1,127 @@
+"""``contextkit bench synthesis [--data FILE]``: a synthesizer reading parallel workers' KV vs their text.
+
+Per multi-hop question (the dev file, or ``--data``; ``--n`` questions, default 24, drawn with the
+seed): three workers (``--set workers=3``) share a prefix (instructions and the question) and each reads
+its share of the passages (round robin) and writes a note (greedy, ``--set note_tokens=48``), all in one
+fork (``synthesis.parallel``). The synthesizer's context is its head (instructions, question), each
+note under a label, and the instruction to answer. Compared in the same run, on the same notes:
+
+- ``text``: the notes' text in the synthesizer's prompt, prefilled in full (what frameworks do today);
+- ``kv ...``: the notes' KV from the workers' branches, re-positioned, with each recompute policy
+  (``join``); the default policy's row is marked.
+
+TTFT is the wall time from the notes to the synthesizer's first-token logits (assembly, recompute and
+prefill; the head is computed by both). Answers: 24 greedy tokens; ``answer_f1`` (SQuAD F1 against the
+gold answers, points) and ``answer_agreement_f1`` (token F1 against the text synthesizer's answer).
+
+Summary: ``ttft_speedup_vs_text``, ``answer_f1_delta`` (KV minus text, F1 points, default policy),
+``answer_agreement_f1``, ``top1_agreement``, ``kl_p50``, worker time and note length.
+"""
+
+from __future__ import annotations
+
+import time
+
+from contextkit.bench.data import load_records, sample
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
+from contextkit.core.generation import SamplingParams
+from contextkit.core.plan import ReuseOptions
+from contextkit.core.prompt import render_document
+
+WORKER = ("You are a research worker on a team. Read your passages and write one short note with the facts "
+          "they give about the question. If they say nothing about it, write: nothing relevant.\n"
+          "Question: {question}\n\n")
+SYNTH = ("You combine the notes of three research workers into one answer.\nQuestion: {question}\n")
+TAIL = "\n\nAnswer the question in a few words, from the notes.\nAnswer:"
+
+
+def methods() -> dict[str, ReuseOptions]:
+    return {
+        "kv reuse": ReuseOptions(policy="none", first_k=0),
+        "kv query_attention r=0.1 (default)": ReuseOptions(),
+        "kv query_attention r=0.3": ReuseOptions(ratio=0.3),
+    }
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.kit import ContextKit
+    from contextkit.synthesis.parallel import fork, join, join_text
+
+    workers, note_tokens = ctx.option("workers", 3, int), ctx.option("note_tokens", 48, int)
+    answer_tokens = ctx.option("answer_tokens", 24, int)
+    records = sample(load_records(ctx.data), ctx.count(24), ctx.seed)
+    table = methods()
+    dflt = "kv query_attention r=0.1 (default)"
+    kit = ContextKit(ctx.config)
+    tok, spans = kit.tokenizer, kit.spans
+    per: dict[str, dict[str, list[float]]] = {m: {} for m in ("text", *table)}
+    worker_ms, note_len = [], []
+    tick(total=len(records) * (len(table) + 2))
+    try:
+        for qi, rec in enumerate(records):
+            tick(f"workers q{qi}")
+            prefix = tok.encode(WORKER.format(question=rec.question), add_special_tokens=True)
+            shares = [rec.passages[w::workers] for w in range(workers)]
+            prompts = [tok.encode("".join(render_document(p) for p in share) + "Note:") for share in shares if share]
+            t0 = time.perf_counter()
+            f = fork(spans, tok, prefix, prompts, SamplingParams(max_new_tokens=note_tokens))
+            worker_ms.append((time.perf_counter() - t0) * 1e3)
+            note_len.extend(len(b.token_ids) for b in f.branches)
+            head = tok.encode(SYNTH.format(question=rec.question), add_special_tokens=True)
+            labels = [tok.encode(f"\nNote {i + 1}:") for i in range(len(prompts))]
+            tail = tok.encode(TAIL)
+            params = SamplingParams(max_new_tokens=answer_tokens)
+            out = {}
+            names = ["text", *table]
+            for name in names[qi % len(names):] + names[: qi % len(names)]:
+                tick(f"{name} q{qi}")
+                t0 = time.perf_counter()
+                if name == "text":
+                    asm, _, plan = join_text(f, head, tail, labels, extra_capacity=answer_tokens + 1)
+                else:
+                    asm, _, plan = join(f, head, tail, labels, table[name], extra_capacity=answer_tokens + 1)
+                ttft = (time.perf_counter() - t0) * 1e3
+                out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
+            ref_logits, ref_text, _, _ = out["text"]
+            for name, (logits, text, ttft, report) in out.items():
+                m = per[name]
+                m.setdefault("ttft", []).append(ttft)
+                m.setdefault("f1", []).append(answer_f1(text, rec.answers))
+                m.setdefault("agree", []).append(token_f1(text, ref_text))
+                m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
+                m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
+                m.setdefault("context", []).append(report.context_tokens)
+                m.setdefault("recomputed", []).append(report.recomputed_tokens)
+    finally:
+        kit.close()
+    text_ttft = median(per["text"]["ttft"])
+    rows = [{
+        "method": name, "questions": len(m["ttft"]),
+        "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
+        "ttft_speedup_vs_text": round(text_ttft / median(m["ttft"]), 2),
+        "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
+        "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
+        "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3), "kl_p50": round(median(m["kl"]), 4),
+        "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
+        "default": name == dflt,
+    } for name, m in per.items()]
+    by = {r["method"]: r for r in rows}
+    summary = {
+        "questions": len(records), "default_method": dflt,
+        "ttft_speedup_vs_text": by[dflt]["ttft_speedup_vs_text"],
+        "answer_f1_delta": round(by[dflt]["answer_f1"] - by["text"]["answer_f1"], 2),
+        "answer_agreement_f1": by[dflt]["answer_agreement_f1"],
+        "top1_agreement": by[dflt]["top1_agreement"], "kl_p50": by[dflt]["kl_p50"],
+        "text_ttft_ms_p50": by["text"]["ttft_ms_p50"], "workers_ms_p50": round(median(worker_ms), 1),
+        "note_tokens_p50": median(note_len),
+    }
+    config = {"model": ctx.config.model, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
+              "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens}
+    return BenchResult("synthesis", config, rows, summary)
+
+
+def _decode(kit, plan, asm, params: SamplingParams) -> str:
+    from contextkit.engine.generate import generate
+
+    return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits).text
