@@ -52,6 +52,8 @@ bench: venv
 	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
 	$(BIN)/contextkit bench proxy --n 100 --trace $(BENCH)/ordering-trace.jsonl --set soak_s=300 --json $(BENCH)/proxy.json --plot $(BENCH)/proxy.png
 	$(BIN)/contextkit bench robustness --json $(BENCH)/robustness.json
+	$(BIN)/contextkit bench skills --json $(BENCH)/skills.json
+	$(BIN)/contextkit bench synthesis --n 24 --json $(BENCH)/synthesis.json
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs
