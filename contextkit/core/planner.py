@@ -139,27 +139,24 @@ class Planner:
         self._frames: LRUCache = LRUCache(cache_bytes // 2, getsizeof=_ids_bytes)
         self._lock = threading.Lock()
 
-    def document_tokens(self, doc: Evidence) -> tuple[int, ...]:
-        """The document's block of tokens, cached by content (a client may reuse an id for other text)."""
-        key = _content_digest(doc)
+    def _block(self, key: str, text) -> tuple[int, ...]:
+        """Tokens of a rendered block, cached under ``key`` (``text()`` renders it on a miss)."""
         with self._lock:
             ids = self._docs.get(key)
         if ids is None:
-            ids = tuple(self.tokenizer.encode(render_document(doc)))
+            ids = tuple(self.tokenizer.encode(text()))
             with self._lock:
                 self._docs[key] = ids
         return ids
 
+    def document_tokens(self, doc: Evidence) -> tuple[int, ...]:
+        """The document's block of tokens, cached by content (a client may reuse an id for other text)."""
+        return self._block(_content_digest(doc), lambda: render_document(doc))
+
     def skill_tokens(self, skill: Skill) -> tuple[int, ...]:
         """The skill's block of tokens, cached by content."""
         key = "skill:" + hashlib.sha256(f"{skill.name}\x00{skill.text}".encode()).hexdigest()
-        with self._lock:
-            ids = self._docs.get(key)
-        if ids is None:
-            ids = tuple(self.tokenizer.encode(render_skill(skill)))
-            with self._lock:
-                self._docs[key] = ids
-        return ids
+        return self._block(key, lambda: render_skill(skill))
 
     def errata_tokens(self, skill: Skill) -> list[tuple[int, ...]]:
         """One block of tokens per erratum of ``skill``, in order."""
