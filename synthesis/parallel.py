@@ -84,10 +84,6 @@ class Fork:
         self.cache: KVCache = self.engine.new_cache(need)
         self.attend = {b.index + 1: (0,) for b in self.branches}  # segment b+1 sees the prefix (segment 0)
 
-    @property
-    def prefix_slots(self) -> range:
-        return range(len(self.prefix_ids))
-
     def run(self, hook: Hook | None = None) -> list[Branch]:
         """Prefill the prefix once and each branch's prompt, then decode all branches together."""
         eng, cache, p = self.engine, self.cache, self.params
@@ -137,7 +133,7 @@ class Fork:
             b.text = self.tokenizer.decode(b.token_ids)
         return self.branches
 
-    def span(self, branch: Branch, token_ids: Sequence[int] | None = None) -> CompiledSpan:
+    def span(self, branch: Branch) -> CompiledSpan:
         """The KV of a branch's generated tokens, position-free (keys rotated back to position 0).
 
         Its key depends on the prefix and the branch's prompt (the KV saw them), so it can never be
@@ -146,15 +142,20 @@ class Fork:
             raise ConfigError(f"branch {branch.index} failed ({branch.error}); join the others")
         if not branch.token_ids:
             raise EmptyInputError(f"branch {branch.index} generated nothing")
-        gen_slots = torch.tensor(branch.slots[len(branch.prompt_ids):][: len(branch.token_ids)])
-        first = int(self.cache.positions[gen_slots[0]])
-        k = self.cache.k[:, :, gen_slots].contiguous()  # (layers, kv_heads, n, head_dim) at their positions
-        v = self.cache.v[:, :, gen_slots].contiguous()
-        rotate_layers(self.engine, k, -first, k, self.spans.rerotator)
-        ident = self.spans.identity
-        context = span_key(ident, self.prefix_ids + branch.prompt_ids, (), self.tenant)
-        ids = tuple(branch.token_ids)
-        return CompiledSpan(span_key(ident, ids, (context,), self.tenant), ids, k, v)
+        slots = branch.slots[len(branch.prompt_ids):][: len(branch.token_ids)]
+        context = span_key(self.spans.identity, self.prefix_ids + branch.prompt_ids, (), self.tenant)
+        return generated_span(self.spans, self.cache, slots, tuple(branch.token_ids), context, self.tenant)
+
+
+def generated_span(spans, cache: KVCache, slots: Sequence[int], ids: tuple[int, ...], context,
+                   tenant: Tenant | str = "") -> CompiledSpan:
+    """Tokens generated into ``cache`` at ``slots`` as a position-free span (keys rotated back to position
+    0), keyed as depending on ``context`` (the key of what they were generated after)."""
+    s = torch.tensor(list(slots))
+    first = int(cache.positions[s[0]])
+    k, v = cache.k[:, :, s].contiguous(), cache.v[:, :, s].contiguous()  # (layers, kv_heads, n, head_dim)
+    rotate_layers(spans.engine, k, -first, k, spans.rerotator)
+    return CompiledSpan(span_key(spans.identity, ids, (context,), Tenant.of(tenant)), ids, k, v)
 
 
 def fork(spans, tokenizer, prefix_ids: Sequence[int], prompts: Sequence[Sequence[int]],
@@ -192,17 +193,12 @@ def join(f: Fork, head_ids: Sequence[int], tail_ids: Sequence[int], labels: Sequ
         raise EmptyInputError("no branch produced anything to synthesize from")
     labels = [labels[b.index] for b in done] if labels else []
     plan, where = synthesis_plan(head_ids, [b.token_ids for b in done], tail_ids, labels, options, f.tenant)
-    provided = {i: f.span(b) for i, b in zip(where, done)}
+    # a full prefill reads no branch KV: none is cut out for it (the text baseline's time stays its own)
+    provided = {} if options.policy == "full" else {i: f.span(b) for i, b in zip(where, done)}
     return f.spans.assemble(plan, extra_capacity=extra_capacity, provided=provided), done, plan
 
 
 def join_text(f: Fork, head_ids: Sequence[int], tail_ids: Sequence[int], labels: Sequence[Sequence[int]] = (),
               extra_capacity: int = 64):
     """The baseline ``join`` is measured against: the same context with the branches' text prefilled in full."""
-    done = [b for b in f.branches if b.ok and b.token_ids]
-    if not done:
-        raise EmptyInputError("no branch produced anything to synthesize from")
-    labels = [labels[b.index] for b in done] if labels else []
-    plan, _ = synthesis_plan(head_ids, [b.token_ids for b in done], tail_ids, labels, ReuseOptions(policy="full"),
-                             f.tenant)
-    return f.spans.assemble(plan, extra_capacity=extra_capacity), done, plan
+    return join(f, head_ids, tail_ids, labels, ReuseOptions(policy="full"), extra_capacity)

@@ -21,10 +21,9 @@ from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams, sample
 from contextkit.core.plan import ReuseOptions, ReuseReport
 from contextkit.core.tenant import Tenant
-from contextkit.spans.compile import rotate_layers
 from contextkit.spans.key import span_key
 from contextkit.spans.store import CompiledSpan
-from contextkit.synthesis.parallel import Fork, synthesis_plan
+from contextkit.synthesis.parallel import Fork, generated_span, synthesis_plan
 
 
 class WorkflowError(InputError):
@@ -136,7 +135,7 @@ class Workflow:
             r = StepResult(name, tokenizer.decode(tokens), tuple(tokens), report=asm.report)
             if tokens:
                 context = span_key(spans.identity, tuple(plan.ids), (), tenant)
-                r.span = _span(spans, asm.cache, slots, tuple(tokens), context, tenant)
+                r.span = generated_span(spans, asm.cache, slots, tuple(tokens), context, tenant)
             results[name] = r
         except Exception as exc:  # noqa: BLE001 - one step's failure is kept; the others go on
             results[name] = StepResult(name, error=f"{type(exc).__name__}: {exc}")
@@ -162,11 +161,3 @@ def _decode(spans, asm, params: SamplingParams) -> tuple[list[int], list[int]]:
         logits = eng.forward(cache, [token])
         tokens.append(token)
     return tokens, slots
-
-
-def _span(spans, cache, slots: list[int], ids: tuple[int, ...], context, tenant) -> CompiledSpan:
-    s = torch.tensor(slots)
-    first = int(cache.positions[s[0]])
-    k, v = cache.k[:, :, s].contiguous(), cache.v[:, :, s].contiguous()
-    rotate_layers(spans.engine, k, -first, k, spans.rerotator)
-    return CompiledSpan(span_key(spans.identity, ids, (context,), Tenant.of(tenant)), ids, k, v)
