@@ -5,6 +5,7 @@ The public API is what ``__all__`` lists; everything else may change between rel
 
 from contextkit.core.config import ContextKitConfig, KVStoreConfig
 from contextkit.core.errors import (
+    AuthenticationError,
     ConfigError,
     ContextKitError,
     CorruptEntryError,
@@ -14,25 +15,40 @@ from contextkit.core.errors import (
     KVCacheError,
     ModelError,
     ModelNotFoundError,
+    OverloadedError,
+    PermissionDeniedError,
     PromptTooLongError,
+    RateLimitError,
     UnsupportedModelError,
     UpstreamError,
 )
+from contextkit.core.client import Answer, ReuseSummary
 from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.kvcache import KVCache
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
 from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.session import Client, Session
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message, Skill, Span
 from contextkit.engine import Engine
 from contextkit.kit import ContextKit
 from contextkit.ordering.weaver import Weaver
+from contextkit.sdk import connect
 from contextkit.spans.assemble import Assembly, SpanCache
 from contextkit.synthesis.skills import ErrataRule, SkillError, SkillLibrary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Answer",
+    "AuthenticationError",
+    "OverloadedError",
+    "PermissionDeniedError",
+    "RateLimitError",
+    "Client",
+    "ReuseSummary",
+    "Session",
+    "connect",
     "Assembly",
     "ChatRequest",
     "CorruptEntryError",

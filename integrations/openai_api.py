@@ -102,6 +102,7 @@ class ContextkitOptions(_Strict):
     ordering: Literal["weaver", "retrieval"] = "weaver"
     tenant: str | None = None  # a sub-tenant, where the server allows client-chosen ones
     block_align: bool = False
+    documents_at: Literal["last", "first"] = "last"  # the user message the documents open (a session: first)
     reuse: dict[str, Any] | None = None  # serve only: ReuseOptions fields
 
 
@@ -289,7 +290,7 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
     # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
     reuse = reuse_options(opts.reuse) if allow_reuse and (docs or skills or opts.reuse is not None) else None
     request = ChatRequest(messages, docs, skills, runs_as, opts.ordering, opts.block_align, reuse,
-                          chat.new_tokens or default_max_tokens)
+                          chat.new_tokens or default_max_tokens, documents_at=opts.documents_at)
     return chat, request
 
 

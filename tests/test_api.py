@@ -14,6 +14,8 @@ PUBLIC = [
     "ModelNotFoundError", "PromptTooLongError", "SamplingParams", "UnsupportedModelError", "__version__",
     "KVStoreConfig", "Weaver", "ChatRequest", "CorruptEntryError", "Message", "Planner", "Tenant", "UpstreamError",
     "Skill", "SkillError", "SkillLibrary", "ErrataRule",
+    "Answer", "Client", "ReuseSummary", "Session", "connect",  # the SDK
+    "AuthenticationError", "OverloadedError", "PermissionDeniedError", "RateLimitError",  # what HTTP calls raise
 ]
 
 

@@ -34,6 +34,8 @@ from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Sp
 
 Ordering = Literal["weaver", "retrieval"]
 ORDERINGS: tuple[str, ...] = ("weaver", "retrieval")
+DocumentsAt = Literal["last", "first"]
+DOCUMENTS_AT: tuple[str, ...] = ("last", "first")
 MAX_DOCUMENTS = 1024  # per request; beyond this a request is certainly malformed
 MAX_ID_CHARS = 256  # a document id (kept in ordering trees, so bounded)
 MAX_SKILLS = 64  # per request
@@ -62,6 +64,9 @@ class ChatRequest:
         reuse: the span reuse the request allows on the KV path (None: a plain prefill).
         max_new_tokens: tokens it may generate (the length check counts them).
         default_system: the system message used when a request with documents brings none ("" = none).
+        documents_at: the user message the documents open: ``last`` (the question's) or ``first`` (a
+            session's layout: its documents stay where they were and later turns follow them, so each
+            turn's prompt starts with the previous one's documents).
     """
 
     messages: tuple[Message, ...]
@@ -73,12 +78,15 @@ class ChatRequest:
     reuse: ReuseOptions | None = None
     max_new_tokens: int = 16
     default_system: str = DEFAULT_SYSTEM
+    documents_at: DocumentsAt = "last"
 
     def __post_init__(self) -> None:
         if not any(m.role == "user" for m in self.messages):
             raise InputError("messages need a user message (the question)", "messages")
         if self.ordering not in ORDERINGS:
             raise InputError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}", "contextkit")
+        if self.documents_at not in DOCUMENTS_AT:
+            raise InputError(f"documents_at must be one of {DOCUMENTS_AT}, got {self.documents_at!r}", "contextkit")
         if len(self.documents) > MAX_DOCUMENTS:
             raise InputError(f"{len(self.documents)} documents in one request; at most {MAX_DOCUMENTS}", "documents")
         if len(self.skills) > MAX_SKILLS:
@@ -169,11 +177,11 @@ class Planner:
         with_docs, with_skills = bool(request.documents), bool(request.skills)
         if with_docs and request.default_system and not any(m.role == "system" for m in msgs):
             msgs.insert(0, Message("system", request.default_system))
-        key = json.dumps([with_docs, with_skills, [(m.role, m.content) for m in msgs]])
+        key = json.dumps([with_docs, with_skills, request.documents_at, [(m.role, m.content) for m in msgs]])
         with self._lock:
             got = self._frames.get(key)
         if got is None:
-            head, middle, tail = render_frame(self.tokenizer, msgs, with_docs, with_skills)
+            head, middle, tail = render_frame(self.tokenizer, msgs, with_docs, with_skills, request.documents_at)
             got = (tuple(head), tuple(middle), tuple(tail))
             with self._lock:
                 self._frames[key] = got

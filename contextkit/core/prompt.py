@@ -43,12 +43,14 @@ def render_document(doc: Evidence) -> str:
 
 
 def render_frame(
-    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False
+    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False,
+    documents_at: str = "last",
 ) -> tuple[list[int], list[int], list[int]]:
     """Token ids before and after the documents of a chat.
 
-    With documents they go at the start of the last user message, which becomes ``Question: <content>``;
-    every earlier turn is kept as it is. Without documents the chat is rendered as it is (the suffix is
+    With documents they go at the start of the last user message (``documents_at="first"``: the first
+    one, so later turns follow them, the layout of a multi-turn session whose documents stay in place),
+    which becomes ``Question: <content>``; every other turn is kept as it is. Without documents the chat is rendered as it is (the suffix is
     empty), the tokens the model's own chat template gives.
 
     With skills, they go at the end of the system message (one is added if the chat has none), after
@@ -61,11 +63,13 @@ def render_frame(
     are dropped.
     """
     msgs = [{"role": m.role, "content": m.content} for m in messages]
-    last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    last = users[0] if documents_at == "first" else users[-1]
     question = msgs[last]["content"].strip()
     if not tokenizer.has_chat_template:
         system = next((m["content"] for m in msgs if m["role"] == "system"), "")
         head = system + "\n\n" if system else ""
+        question = msgs[users[-1]]["content"].strip()  # one turn only: the last question
         return tokenizer.encode(head, add_special_tokens=True), [], tokenizer.encode(f"Question: {question}\nAnswer:")
     if with_skills:
         sys_at = next((i for i, m in enumerate(msgs) if m["role"] == "system"), None)
