@@ -5,7 +5,7 @@ and our ``contextkit`` options beside OpenAI's fields); the answer's ``report`` 
 ``contextkit`` field (serve: span reuse, the KV path; the proxy: ordering for vLLM's prefix cache, with
 vLLM's own ``cached_tokens``). Errors come back as the error tree's exceptions with the server's message:
 401 ``AuthenticationError``, 403 ``PermissionDeniedError``, 400/422 ``InputError``, 413
-``BodyTooLargeError``, 429 ``RateLimitError``/``OverloadedError`` (with ``retry_after_s``), 5xx and an
+``PromptTooLongError`` or ``BodyTooLargeError``, 429 ``RateLimitError``/``OverloadedError`` (with ``retry_after_s``), 5xx and an
 unreachable server ``UpstreamError`` (a timeout ``UpstreamTimeoutError``): never a hang past ``timeout_s``.
 
 httpx, not the openai package: the openai client retries on its own and hides our response field in
@@ -25,7 +25,7 @@ import httpx
 from contextkit.core.client import Answer, Call, ReuseSummary
 from contextkit.core.errors import (
     AuthenticationError, BodyTooLargeError, ContextKitError, InputError, OverloadedError, PermissionDeniedError,
-    RateLimitError, UpstreamError, UpstreamTimeoutError,
+    PromptTooLongError, RateLimitError, UpstreamError, UpstreamTimeoutError,
 )  # fmt: skip
 from contextkit.core.types import Skill
 from contextkit.synthesis.skills import SkillLibrary
@@ -93,8 +93,8 @@ def error_of(status: int, raw: bytes | str, url: str, headers: httpx.Headers | N
         return AuthenticationError(where + " (pass api_key=, the key the server was started with)")
     if status == 403:
         return PermissionDeniedError(where)
-    if status == 413:
-        return BodyTooLargeError(where, param)
+    if status == 413:  # a prompt over the model's context, or a body over the server's limit
+        return (PromptTooLongError if "context" in message else BodyTooLargeError)(where, param)
     if status == 429:
         try:
             retry = float((headers or {}).get("retry-after") or 1)
