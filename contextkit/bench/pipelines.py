@@ -44,7 +44,7 @@ import uuid
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, token_f1
 from contextkit.bench.ordering import load_stream
-from contextkit.core.errors import ConfigError
+from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.prompt import DEFAULT_SYSTEM, render_document
 from contextkit.core.types import Evidence
 
@@ -138,7 +138,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     try:
         if not upstream:
             tick("starting vLLM")
-            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, max_model_len=8192,
                                                  log_file=logs / "bench-pipelines-vllm.log")).start()
             upstream = server.url
         model = served_model(upstream)
@@ -237,12 +237,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                         m.setdefault("cached", []).append(ck["cached_tokens"])
                 if sessions_on:  # the trace's sessions as SDK sessions through the proxy
                     tick(f"session r{i}")
-                    s = sessions.setdefault(req.session, sdk.session(max_tokens=max_tokens,
-                                                                     tenant=f"bench-{run_id}-s-{req.tenant}"))
-                    stream = s.stream(req.question, [Evidence(d.text, d.id, d.title) for d in req.documents])
-                    t0, first = time.perf_counter(), None
-                    for delta in stream:
-                        first = first if first is not None or not delta else (time.perf_counter() - t0) * 1e3
+                    docs = [Evidence(d.text, d.id, d.title) for d in req.documents]
+                    s = sessions.get(req.session)
+                    for attempt in range(2):
+                        if s is None:
+                            s = sessions[req.session] = sdk.session(max_tokens=max_tokens,
+                                                                    tenant=f"bench-{run_id}-s-{req.tenant}")
+                        stream = s.stream(req.question, docs)
+                        t0, first = time.perf_counter(), None
+                        try:
+                            for delta in stream:
+                                first = first if first is not None or not delta else (time.perf_counter() - t0) * 1e3
+                            break
+                        except PromptTooLongError:  # the conversation outgrew the context: a new session,
+                            sess.setdefault("restarts", []).append(len(s.steps))  # as a user would start one
+                            s = None
                     a = stream.answer
                     sess.setdefault("ttft", []).append(first if first is not None else a.total_ms)
                     sess.setdefault("sent", []).append(len(req.documents) - len(a.report.skipped_documents))
@@ -313,6 +322,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             session_cached_share=rows[-1]["cached_share"],
             session_followup_ttft_ms_p50=round(median([sess["ttft"][i] for i in later]), 1) if later else None,
             session_followups=len(later),
+            session_restarts=len(sess.get("restarts", [])),
         )
     config = {"k": k, "max_tokens": max_tokens, "block_size": block, "requests": len(requests),
               "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),

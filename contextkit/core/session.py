@@ -10,7 +10,8 @@ Every turn re-sends the conversation in one layout: the session's documents open
 message (``documents_at="first"``), in the order first seen, and later turns follow them, so each
 turn's prompt starts with the previous turn's documents (vLLM's prefix cache holds them; on the KV path
 they are span hits). A document the session already holds is not sent twice: it is listed in the
-answer's ``report.skipped_documents``.
+answer's ``report.skipped_documents``. A conversation that outgrows the model's context raises
+``PromptTooLongError`` (a 413 over HTTP): start a new session (nothing is dropped silently).
 """
 
 from __future__ import annotations
