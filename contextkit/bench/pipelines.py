@@ -19,7 +19,8 @@ framework's retriever (``EvidenceRetriever``).
 - ``sdk session (proxy)``: the trace's sessions as SDK sessions (documents the session holds are not
   sent again; the conversation grows each turn), for the de-duplication the issue asks about.
 
-TTFT: call to first streamed text, measured outside the framework. Answers: greedy, ``--set
+``langchain with (retrieval order)``: the same adapter with ``ordering="retrieval"``, to tell the effect of
+reordering on the answers from the rest of the path. TTFT: call to first streamed text, measured outside the framework. Answers: greedy, ``--set
 max_tokens=16``; ``answer_f1`` (gold, points), ``answer_agreement_f1`` (token F1 of the answer with
 contextkit against the one without, same request). ``adapter_overhead_ms_p50``: the time our adapter code
 spends per call (framework messages and documents to the SDK call, the answer back to the framework's
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import subprocess
 import sys
 import time
@@ -48,10 +50,18 @@ from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.prompt import DEFAULT_SYSTEM, render_document
 from contextkit.core.types import Evidence
 
-PIPELINES = ("langchain without", "langchain with", "llamaindex without", "llamaindex with",
-             "kv without (full prefill)", "kv with (span reuse)")
+PIPELINES = ("langchain without", "langchain with", "langchain with (retrieval order)", "llamaindex without",
+             "llamaindex with", "kv without (full prefill)", "kv with (span reuse)")
 BASELINE = {"langchain with": "langchain without", "llamaindex with": "llamaindex without",
-            "kv with (span reuse)": "kv without (full prefill)"}
+            "langchain with (retrieval order)": "langchain without", "kv with (span reuse)": "kv without (full prefill)"}
+
+
+def bootstrap_ci(deltas: list[float], seed: int, reps: int = 2000) -> tuple[float, float]:
+    """95% interval of the mean of paired per-request differences (percentile bootstrap)."""
+    rng = random.Random(seed)
+    n = len(deltas)
+    means = sorted(sum(deltas[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
+    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
 
 
 def _stuffed(question: str, docs) -> str:
@@ -160,6 +170,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         lc_plain = ChatOpenAI(base_url=upstream + "/v1", api_key="none", model=model, max_tokens=max_tokens,
                               temperature=0, max_retries=0, extra_body={"cache_salt": salt["langchain without"]})
         lc_ck = ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with"])
+        lc_ret = ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with (retrieval order)"])
         li_plain = OpenAILike(api_base=upstream + "/v1", api_key="none", model=model, is_chat_model=True,
                               context_window=8192, max_tokens=max_tokens, temperature=0, max_retries=0,
                               additional_kwargs={"extra_body": {"cache_salt": salt["llamaindex without"]}})
@@ -185,8 +196,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             out: dict = {}
             if name == "langchain without":
                 ttft, text, _ = _timed_stream(lc_plain.stream([SystemMessage(system), HumanMessage(_stuffed(req.question, docs))]), lc_text)
-            elif name == "langchain with":
-                ttft, text, (last, total) = _timed_stream(lc_ck.stream(req.question, documents=retrieved), lc_text, ours)
+            elif name.startswith("langchain with"):
+                kw = {"ordering": "retrieval"} if "retrieval order" in name else {}
+                llm = lc_ck if not kw else lc_ret
+                ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved, **kw), lc_text,
+                                                          ours)
                 out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
             elif name == "llamaindex without":
                 msgs = [ChatMessage(role="system", content=system), ChatMessage(role="user", content=_stuffed(req.question, docs))]
@@ -210,7 +224,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         tick("warm-up")
         lc_plain.invoke("Say hi.")
         li_plain.complete("Say hi.")
-        for llm in (lc_ck, kv_full, kv_reuse):
+        for llm in (lc_ck, lc_ret, kv_full, kv_reuse):
             llm.invoke("Say hi.", documents=warm)
         li_ck.complete("Say hi.", documents=warm)
         sessions: dict[str, object] = {}
@@ -285,7 +299,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             row["framework_overhead_ms_p50"] = round(median(m["overhead"]), 3)
         if m.get("adapter"):
             row["adapter_code_ms_p50"] = round(median(m["adapter"]), 4)
-        row["default"] = name in BASELINE
+        row["default"] = name in ("langchain with", "llamaindex with", "kv with (span reuse)")
         rows.append(row)
     by = {r["pipeline"]: r for r in rows}
 
@@ -294,6 +308,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 
     f1_delta = ((by["langchain with"]["answer_f1"] - by["langchain without"]["answer_f1"])
                 + (by["llamaindex with"]["answer_f1"] - by["llamaindex without"]["answer_f1"])) / 2
+    paired = [100 * ((a - b) + (c - d)) / 2 for a, b, c, d in zip(per["langchain with"]["f1"], per["langchain without"]["f1"],
+                                                               per["llamaindex with"]["f1"], per["llamaindex without"]["f1"])]
+    lo, hi = bootstrap_ci(paired, ctx.seed)
     overhead = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("adapter", [])]
     framework = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("overhead", [])]
     summary = {
@@ -301,6 +318,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "llamaindex_ttft_reduction": reduction("llamaindex without", "llamaindex with"),
         "kv_path_ttft_reduction": reduction("kv without (full prefill)", "kv with (span reuse)"),
         "answer_f1_delta": round(f1_delta, 2),
+        "answer_f1_delta_ci95": [round(lo, 2), round(hi, 2)],
+        "answer_f1_delta_retrieval_order": round(by["langchain with (retrieval order)"]["answer_f1"]
+                                                 - by["langchain without"]["answer_f1"], 2),
+        "answer_agreement_f1_retrieval_order": by["langchain with (retrieval order)"]["answer_agreement_f1"],
+        "answer_f1_changed_requests": sum(1 for d in paired if abs(d) > 1e-9),
         "answer_agreement_f1": round((by["langchain with"]["answer_agreement_f1"]
                                       + by["llamaindex with"]["answer_agreement_f1"]) / 2, 3),
         "kv_path_answer_agreement_f1": by["kv with (span reuse)"]["answer_agreement_f1"],

@@ -19,7 +19,8 @@ def test_bench_pipelines_small_run(tmp_path, vllm_url, cli, trace_requests):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["pipeline"]: r for r in result["rows"]}
-    assert set(rows) == {"langchain without", "langchain with", "llamaindex without", "llamaindex with",
+    assert set(rows) == {"langchain without", "langchain with", "langchain with (retrieval order)",
+                         "llamaindex without", "llamaindex with",
                          "kv without (full prefill)", "kv with (span reuse)", "sdk session (proxy)"}
     assert all(r["requests"] == 4 for r in rows.values())
     for base in ("langchain without", "llamaindex without", "kv without (full prefill)"):
@@ -35,3 +36,5 @@ def test_bench_pipelines_small_run(tmp_path, vllm_url, cli, trace_requests):
         assert key in s and s[key] is not None, key
     assert 0 < s["adapter_overhead_ms_p50"] and 0 <= s["answer_agreement_f1"] <= 1
     assert 0 < s["session_documents_sent_share"] <= 1
+    lo, hi = s["answer_f1_delta_ci95"]
+    assert lo <= hi
