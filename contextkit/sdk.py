@@ -69,15 +69,22 @@ class LocalTransport:
                               seed=call.seed, stop=call.stop)
 
     def stream(self, call: Call) -> Iterator[str | Answer]:
+        # the lock is held per engine step, never across a yield: a caller that stops reading a stream
+        # (or reads two at once) blocks nobody; each stream has its own KV cache, so steps may interleave
         t0 = time.perf_counter()
         with self._lock:
             plan = self.kit.plan(self._request(call))
             ks = self.kit.run(plan, self.params(call))
-            first = None
-            for delta in ks:
-                if first is None:
-                    first = (time.perf_counter() - t0) * 1e3
-                yield delta
+            steps = iter(ks)
+        first = None
+        while True:
+            with self._lock:
+                delta = next(steps, None)
+            if delta is None:
+                break
+            if first is None:
+                first = (time.perf_counter() - t0) * 1e3
+            yield delta
         total = (time.perf_counter() - t0) * 1e3
         yield answer_of(ks, total if first is None else first, total, self.kit.config.model)
 

@@ -88,3 +88,29 @@ def test_bad_requests(planner):
         Tenant("a" * 129)
     with pytest.raises(InputError, match="'/'"):
         Tenant("a/b")
+
+
+def test_a_documents_prompt_has_the_tokens_of_its_text_tokenized_whole(planner, shared_data, repo):
+    """The per-document blocks concatenate to exactly what tokenizing the whole rendered prompt as one
+    string gives (what a framework sends vLLM as text): no token at a block joint the model never sees."""
+    import json
+
+    from contextkit.core.prompt import DEFAULT_SYSTEM, render_document
+
+    path = shared_data / "multihop_dev.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines()[:4]]
+    else:
+        ex = json.loads((repo / "examples" / "question.json").read_text())
+        rows = [{"question": ex["question"], "passages": ex["documents"]}]
+    tok = planner.tokenizer
+    for r in rows:
+        docs = tuple(Evidence(p["text"], None, p.get("title")) for p in r["passages"])
+        plan = planner.plan(ChatRequest((Message("user", r["question"]),), docs, ordering="retrieval"))
+        text = "".join(render_document(d) for d in docs) + f"Question: {r['question']}"
+        if tok.has_chat_template:
+            whole = tok.encode(tok.render_chat([{"role": "system", "content": DEFAULT_SYSTEM},
+                                                {"role": "user", "content": text}]))
+        else:  # the plain completion frame (Gemma 3 270M's wheel is a base model)
+            whole = tok.encode(DEFAULT_SYSTEM + "\n\n" + text + "\nAnswer:", add_special_tokens=True)
+        assert plan.ids == whole

@@ -80,6 +80,15 @@ def test_stream_and_async_agree_with_their_answers(http, local, example):
         assert "".join(parts) == answer.text and answer.report.prompt_tokens > 0
 
 
+def test_an_abandoned_local_stream_blocks_nothing(local, example):
+    question, docs = example
+    s = local.stream(question, docs, max_tokens=8)
+    next(iter(s))  # read one delta, then walk away with the stream still referenced
+    other = local.stream(question, docs, max_tokens=3)  # a second stream in the same thread, interleaved
+    assert local.generate(question, docs, max_tokens=2).completion_tokens >= 1
+    assert other.finish().completion_tokens >= 1 and s.finish().completion_tokens >= 1
+
+
 def test_errors_come_from_the_one_tree(keyed_serve, example):
     url, _, _ = keyed_serve
     question, docs = example
