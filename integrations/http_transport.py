@@ -143,11 +143,15 @@ class HTTPTransport:
                 resp = self._http.get(self.url + "/v1/models")
             except httpx.HTTPError as exc:
                 raise self._unreachable(exc) from exc
-            if resp.status_code != 200:
-                raise error_of(resp.status_code, resp.content, self.url, resp.headers)
-            data = resp.json().get("data") or []
-            self._model = data[0]["id"] if data else ""
+            self._model = self._first_model(resp)
         return self._model or None
+
+    def _first_model(self, resp: httpx.Response) -> str:
+        """The first id a ``/v1/models`` answer lists ("" for none: the server picks)."""
+        if resp.status_code != 200:
+            raise error_of(resp.status_code, resp.content, self.url, resp.headers)
+        data = resp.json().get("data") or []
+        return data[0]["id"] if data else ""
 
     def complete(self, call: Call) -> Answer:
         body = body_of(call, self.model(), stream=False)
@@ -181,11 +185,7 @@ class HTTPTransport:
 
     async def _amodel(self, client: httpx.AsyncClient) -> str | None:
         if self._model is None:
-            resp = await client.get(self.url + "/v1/models")
-            if resp.status_code != 200:
-                raise error_of(resp.status_code, resp.content, self.url, resp.headers)
-            data = resp.json().get("data") or []
-            self._model = data[0]["id"] if data else ""
+            self._model = self._first_model(await client.get(self.url + "/v1/models"))
         return self._model or None
 
     async def acomplete(self, call: Call) -> Answer:

@@ -33,10 +33,9 @@ except ImportError as exc:  # pragma: no cover - exercised by a test in a subpro
 
 from contextkit.core.client import Answer
 from contextkit.core.errors import InputError
-from contextkit.core.planner import content_id
-from contextkit.core.session import Client
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import Doc, Evidence, Message
+from contextkit.core.types import Evidence, Message
+from contextkit.integrations.adapter import client_of, reuse_order
 from contextkit.ordering.weaver import Weaver
 
 ROLE = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "developer": "developer"}
@@ -100,16 +99,8 @@ class ChatContextKit(BaseChatModel):
     timeout_s: float = 120.0
 
     def model_post_init(self, __context: Any) -> None:
-        if self.client is None:
-            if not self.base_url:
-                raise ValueError("ChatContextKit needs client=contextkit.connect(...) or base_url= (a contextkit "
-                                 "serve or proxy URL)")
-            from contextkit.integrations.http_transport import HTTPTransport
-
-            key = self.api_key.get_secret_value() if self.api_key else None
-            self.client = Client(HTTPTransport(self.base_url, key, self.model_name, self.timeout_s))
-        elif not isinstance(self.client, Client):
-            raise ValueError(f"client must be a contextkit Client (contextkit.connect()), got {type(self.client).__name__}")
+        key = self.api_key.get_secret_value() if self.api_key else None
+        self.client = client_of(self.client, self.base_url, key, self.model_name, self.timeout_s, "ChatContextKit")
 
     @property
     def _llm_type(self) -> str:
@@ -190,21 +181,10 @@ class ContextKitReorder(BaseDocumentCompressor):
         self._weaver = Weaver(block_size=self.block_size)
         Tenant.of(self.tenant)  # checked once, here
 
-    def _doc(self, d: Document, i: int) -> Doc:
-        ev = to_evidence(d, i)
-        assert isinstance(ev, Evidence)
-        n = self.count_tokens(ev.text) if self.count_tokens else max(1, len(ev.text) // 4)
-        return Doc(ev.id or content_id(ev), int(n))
-
     def compress_documents(self, documents: Sequence[Document], query: str,
                            callbacks: Callbacks | None = None) -> Sequence[Document]:
-        docs = [self._doc(d, i) for i, d in enumerate(documents)]
-        if len({d.id for d in docs}) < len(docs):  # the same document twice: keep its first place only
-            seen: set[str] = set()
-            keep = [i for i, d in enumerate(docs) if not (d.id in seen or seen.add(d.id))]
-            documents, docs = [documents[i] for i in keep], [docs[i] for i in keep]
-        order = self._weaver.order(docs, Tenant.of(self.tenant)).order
-        return [documents[i] for i in order]
+        evidence = [to_evidence(d, i) for i, d in enumerate(documents)]
+        return [documents[i] for i in reuse_order(evidence, self._weaver, self.tenant, self.count_tokens)]
 
 
 class EvidenceRetriever(BaseRetriever):

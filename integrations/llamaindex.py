@@ -39,9 +39,9 @@ except ImportError as exc:  # pragma: no cover - exercised by a test in a subpro
 from contextkit.core.client import Answer
 from contextkit.core.errors import InputError
 from contextkit.core.planner import content_id
-from contextkit.core.session import Client
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import Doc, Evidence, Message
+from contextkit.core.types import Evidence, Message
+from contextkit.integrations.adapter import client_of, reuse_order
 from contextkit.ordering.weaver import Weaver
 
 
@@ -94,15 +94,7 @@ class ContextKitLLM(CustomLLM):
     timeout_s: float = 120.0
 
     def model_post_init(self, __context: Any) -> None:
-        if self.client is None:
-            if not self.base_url:
-                raise ValueError("ContextKitLLM needs client=contextkit.connect(...) or base_url= (a contextkit "
-                                 "serve or proxy URL)")
-            from contextkit.integrations.http_transport import HTTPTransport
-
-            self.client = Client(HTTPTransport(self.base_url, self.api_key, self.model, self.timeout_s))
-        elif not isinstance(self.client, Client):
-            raise ValueError(f"client must be a contextkit Client (contextkit.connect()), got {type(self.client).__name__}")
+        self.client = client_of(self.client, self.base_url, self.api_key, self.model, self.timeout_s, "ContextKitLLM")
 
     @classmethod
     def class_name(cls) -> str:
@@ -222,18 +214,8 @@ class ContextKitReorderPostprocessor(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
                            query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        docs, keep, seen = [], [], set()
-        for i, n in enumerate(nodes):
-            ev = to_evidence(n, i)
-            assert isinstance(ev, Evidence)
-            did = ev.id or content_id(ev)
-            if did in seen:  # the same node twice: keep its first place only
-                continue
-            seen.add(did)
-            keep.append(n)
-            docs.append(Doc(did, int(self.count_tokens(ev.text) if self.count_tokens else max(1, len(ev.text) // 4))))
-        order = self._weaver.order(docs, Tenant.of(self.tenant)).order
-        return [keep[i] for i in order]
+        evidence = [to_evidence(n, i) for i, n in enumerate(nodes)]
+        return [nodes[i] for i in reuse_order(evidence, self._weaver, self.tenant, self.count_tokens)]
 
 
 class EvidenceRetriever(BaseRetriever):

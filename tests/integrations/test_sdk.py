@@ -15,7 +15,6 @@ from contextkit.core.errors import (
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.session import Client
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.http_transport import HTTPTransport
 from contextkit.integrations.process import free_port
 from contextkit.sdk import LocalTransport
 
