@@ -67,7 +67,7 @@ def body_of(call: Call, model: str | None, stream: bool) -> dict:
     return body
 
 
-def summary(usage: dict | None, ext: dict | None, n_docs: int) -> ReuseSummary:
+def summary(usage: dict | None, ext: dict | None) -> ReuseSummary:
     """The reuse report from a response's ``usage`` and ``contextkit`` fields."""
     usage, ext = usage or {}, ext or {}
     prompt = int(usage.get("prompt_tokens") or ext.get("prompt_tokens") or 0)
@@ -160,15 +160,11 @@ class HTTPTransport:
             resp = self._http.post(self.url + "/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
-        ms = (time.perf_counter() - t0) * 1e3
-        if resp.status_code != 200:
-            raise error_of(resp.status_code, resp.content, self.url, resp.headers)
-        return self._answer(resp.json(), call, ms)
+        return self._answer(resp, (time.perf_counter() - t0) * 1e3)
 
     def stream(self, call: Call) -> Iterator[str | Answer]:
         body = body_of(call, self.model(), stream=True)
-        t0 = time.perf_counter()
-        state = _StreamState(call, t0)
+        state = _StreamState(time.perf_counter())
         try:
             with self._http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -198,16 +194,13 @@ class HTTPTransport:
                 resp = await client.post(self.url + "/v1/chat/completions", json=body)
             except httpx.HTTPError as exc:
                 raise self._unreachable(exc) from exc
-            ms = (time.perf_counter() - t0) * 1e3
-            if resp.status_code != 200:
-                raise error_of(resp.status_code, resp.content, self.url, resp.headers)
-            return self._answer(resp.json(), call, ms)
+            return self._answer(resp, (time.perf_counter() - t0) * 1e3)
 
     async def astream(self, call: Call) -> AsyncIterator[str | Answer]:
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
             try:
                 body = body_of(call, await self._amodel(client), stream=True)
-                state = _StreamState(call, time.perf_counter())
+                state = _StreamState(time.perf_counter())
                 async with client.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                     if resp.status_code != 200:
                         raise error_of(resp.status_code, await resp.aread(), self.url, resp.headers)
@@ -227,13 +220,17 @@ class HTTPTransport:
         return UpstreamError(f"cannot reach {self.url} ({type(exc).__name__}: {exc}); is the server running "
                              "(contextkit serve / contextkit proxy) and the URL right?")
 
-    def _answer(self, obj: dict, call: Call, ms: float) -> Answer:
+    def _answer(self, resp: httpx.Response, ms: float) -> Answer:
+        """A non-streamed answer (or the error it is), ``ms`` after the request was sent."""
+        if resp.status_code != 200:
+            raise error_of(resp.status_code, resp.content, self.url, resp.headers)
+        obj = resp.json()
         choice = (obj.get("choices") or [{}])[0]
         usage = obj.get("usage") or {}
         return Answer(
             (choice.get("message") or {}).get("content") or "", choice.get("finish_reason"),
             int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-            summary(usage, obj.get("contextkit"), len(call.documents)), ms, ms, obj.get("model"), obj.get("id"),
+            summary(usage, obj.get("contextkit")), ms, ms, obj.get("model"), obj.get("id"),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -243,8 +240,8 @@ class HTTPTransport:
 class _StreamState:
     """What a server-sent-events stream has said so far."""
 
-    def __init__(self, call: Call, t0: float):
-        self.call, self.t0 = call, t0
+    def __init__(self, t0: float):
+        self.t0 = t0
         self.first_ms: float | None = None
         self.parts: list[str] = []
         self.finish: str | None = None
@@ -281,5 +278,5 @@ class _StreamState:
         total = (time.perf_counter() - self.t0) * 1e3
         return Answer("".join(self.parts), self.finish, int(self.usage.get("prompt_tokens") or 0),
                       int(self.usage.get("completion_tokens") or 0),
-                      summary(self.usage, self.ext, len(self.call.documents)),
+                      summary(self.usage, self.ext),
                       total if self.first_ms is None else self.first_ms, total, self.model, self.id)

@@ -36,9 +36,9 @@ frameworks), ``answer_agreement_f1``, ``adapter_overhead_ms_p50``, and the sessi
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 import os
 import random
-import subprocess
 import sys
 import time
 import uuid
@@ -124,8 +124,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.integrations.langchain import ChatContextKit, EvidenceRetriever
     from contextkit.integrations.llamaindex import ContextKitLLM
     from contextkit.integrations.llamaindex import EvidenceRetriever as NodeRetriever
-    from contextkit.integrations.process import free_port
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, served_model, wait_for_health
+    from contextkit.integrations.process import ManagedProcess, free_port, health
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, served_model
     from contextkit.kit import ContextKit
     from contextkit.sdk import connect
 
@@ -154,13 +154,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         model = served_model(upstream)
         port = free_port()
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-        with open(logs / "bench-pipelines-proxy.log", "ab") as log:  # the proxy as deployed: its own process
-            proxy_proc = subprocess.Popen(
-                [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
-                 "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
         proxy = f"http://127.0.0.1:{port}"
-        wait_for_health(proxy, 120)
+        proxy_proc = ManagedProcess(  # the proxy as deployed: its own process
+            "contextkit proxy",
+            [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
+             "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"],
+            partial(health, proxy), env=env, log_file=logs / "bench-pipelines-proxy.log", startup_timeout_s=120,
+        ).start()
         tick("servers up")
         kit = ContextKit(ctx.config)
         local = connect(kit=kit)
@@ -187,11 +187,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         def run_one(name: str, req) -> dict:
             docs = req.documents
             evidence = [Evidence(d.text, d.id, d.title) for d in docs]
-            if name.startswith("langchain"):
-                retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
-            elif name.startswith("llamaindex"):
+            if name.startswith("llamaindex"):
                 retrieved = NodeRetriever(lambda q: evidence).retrieve(req.question)
-            else:
+            else:  # LangChain's retriever for the LangChain and the KV-path pipelines
                 retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
             out: dict = {}
             if name == "langchain without":
@@ -278,11 +276,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         if kit is not None:
             kit.close()
         if proxy_proc is not None:
-            proxy_proc.terminate()
-            try:
-                proxy_proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proxy_proc.kill()
+            proxy_proc.stop(30)
         if server is not None:
             server.stop()
 

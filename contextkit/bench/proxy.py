@@ -41,10 +41,10 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -54,8 +54,9 @@ import psutil
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.core.errors import ConfigError
+from contextkit.integrations.process import ManagedProcess, health
 from contextkit.integrations.vllm_server import (
-    VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model, wait_for_health,
+    VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
 )  # fmt: skip
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
@@ -366,12 +367,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                "--block-size", str(block), "--model", ctx.config.model,
                "--allow-client-tenant"]  # the trace's tenants are named by the client: an open proxy on loopback
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-        with open(proxy_log, "ab") as log:
-            proxy_proc = subprocess.Popen(exe, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proxy = f"http://127.0.0.1:{port}"
+        proxy_proc = ManagedProcess("contextkit proxy", exe, partial(health, proxy), env=env, log_file=proxy_log,
+                                    startup_timeout_s=120)
+        proxy_proc.launch()
         if proxy_cpus:
             os.sched_setaffinity(0, proxy_cpus)  # the load generator shares the proxy's core, not the engine's
-        proxy = f"http://127.0.0.1:{port}"
-        wait_for_health(proxy, 120)
+        proxy_proc.wait()
+        proxy_pid = proxy_proc.proc.pid
         questions = [r.question for r in requests]
         questions = (questions * (per_level // max(1, len(questions)) + 1))[:per_level]
         tick(total=len(levels) + repeats + 1 + bool(control))
@@ -379,9 +382,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         client = LoadGenerator(client_nice)  # after the affinity change: it inherits the proxy's core
         tops = []
         for conc in levels + [levels[-1]] * (repeats - 1):
-            offset, cpu0 = proxy_log.stat().st_size, _cpu_s(proxy_proc.pid)
+            offset, cpu0 = proxy_log.stat().st_size, _cpu_s(proxy_pid)
             pairs, errs, by_id = client.overhead(upstream, proxy, model, questions, conc, max_tokens)
-            cpu_ms = round((_cpu_s(proxy_proc.pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
+            cpu_ms = round((_cpu_s(proxy_pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
             errors += errs
             if not pairs:
                 raise ConfigError(f"no request succeeded at concurrency {conc}; see {logs}")
@@ -418,7 +421,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         p50 = statistics.median(t for t, g in docs["proxy"] if g)
         summary["docs_ttft_reduction_vs_direct"] = round(1 - p50 / d50, 4)
         if soak_s > 0:
-            ok, errs, rss = asyncio.run(_soak(proxy, model, questions, soak_s, proxy_proc.pid, max_tokens))
+            ok, errs, rss = asyncio.run(_soak(proxy, model, questions, soak_s, proxy_pid, max_tokens))
             errors += errs
             growth = (rss["end"] - rss["start"]) / rss["start"] if rss.get("start") else None
             rows.append({"phase": "soak", "concurrency": 64, "seconds": soak_s, "requests": ok + errs, "errors": errs,
@@ -431,11 +434,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     finally:
         os.sched_setaffinity(0, affinity)
         if proxy_proc is not None:
-            proxy_proc.terminate()
-            try:
-                proxy_proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proxy_proc.kill()
+            proxy_proc.stop(30)
         if server is not None:
             server.stop()
     config = {"concurrency": levels, "requests_per_level": per_level, "max_tokens": max_tokens, "soak_s": soak_s,

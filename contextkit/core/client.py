@@ -21,7 +21,7 @@ from contextkit.core.errors import ConfigError
 from contextkit.core.plan import ReuseOptions, ReuseReport
 from contextkit.core.types import Evidence, Message, Skill
 
-Path_ = Literal["kv", "prompt", "prefill"]
+ReusePath = Literal["kv", "prompt", "prefill"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class ReuseSummary:
     ``detail``: the built-in engine's full report (timings and all), in process only.
     """
 
-    path: Path_
+    path: ReusePath
     prompt_tokens: int
     cached_tokens: int = 0
     reused_tokens: int = 0

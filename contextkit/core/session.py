@@ -224,7 +224,7 @@ class Session:
         skipped = []
         for i, d in enumerate(documents):
             doc = evidence(d, f"documents[{i}]")
-            digest = content_id(Evidence(doc.text, None, doc.title))
+            digest = content_id(doc)  # of the title and text, whatever the id
             did = doc.id or digest
             if did in self._keys:
                 if self._keys[did] != digest:
