@@ -27,14 +27,21 @@ CPU machine, each worked around here and tested (tests/kvstore):
   (hangs after a few gets); we use ``batched_get(location=...)`` only. A hit is a buffer of LMCache's
   pool (for the CPU backend, the cached buffer itself): the entry borrows it without a copy and hands
   it back when its last tensor is freed; ``Entry.owned()`` copies for anyone who keeps it.
+- LMCache's metrics logger sets ``PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus`` when it is unset: one
+  fixed directory for every process on the host, never wiped. Inside a vLLM server (the KV connector)
+  vLLM's ``/metrics`` then reads it and sums the counters of every earlier server (seen: a restarted
+  server reporting the previous one's external cache hits). A tier sets a fresh directory of its own
+  first, removed at exit; one you set wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import hashlib
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -127,6 +134,14 @@ def _patch_redis_close() -> None:
         _patched = True
 
 
+def _private_prometheus_dir() -> None:
+    """Give this process a fresh ``PROMETHEUS_MULTIPROC_DIR`` unless it has one (module docstring)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="contextkit-prometheus-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        atexit.register(shutil.rmtree, path, True)
+
+
 def chunk_hash(digest: str) -> int:
     return int(digest[:16], 16)
 
@@ -143,6 +158,7 @@ class LMCacheTier:
         # LMCache logs every tier start and every swallowed remote error at INFO/WARNING; our counters
         # (stats(): errors, corrupt, down) carry those events. LMCACHE_LOG_LEVEL set by you wins.
         os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+        _private_prometheus_dir()
         try:
             import torch
             from lmcache.v1.event_manager import EventManager
