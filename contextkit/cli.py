@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines, connector).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -233,6 +233,7 @@ def proxy(
     allow_client_tenant: Annotated[Optional[bool], typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = None,
     upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
     rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
+    kv_connector: Annotated[Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: contextkit (span reuse, contextkit.reuse = {\"policy\": \"none\"}), cacheblend (LMCache's, {\"policy\": \"kv_deviation\"}), none.")] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -253,7 +254,8 @@ def proxy(
                                    block_size=block_size, model=model, api_keys_file=api_keys_file,
                                    allow_client_tenant=allow_client_tenant,
                                    upstream_api_key=upstream_api_key, rate_per_s=rate and rate.rate_per_s,
-                                   rate_burst=rate and rate.burst).items() if v is not None}
+                                   rate_burst=rate and rate.burst, kv_connector=kv_connector).items()
+             if v is not None}
     try:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError) as exc:
@@ -264,6 +266,46 @@ def proxy(
         serve(settings)
     except ContextKitError as exc:
         _fail(str(exc))
+
+
+@app.command()
+def connector(
+    backend: Annotated[str, typer.Option(help="contextkit (our KV connector) or cacheblend (LMCache's CacheBlend, GPU).")] = "contextkit",
+    disk_dir: Annotated[Optional[Path], typer.Option(help="contextkit: a disk tier (survives restarts).")] = None,
+    remote_url: Annotated[Optional[str], typer.Option(help="redis://host:port or lm://host:port, shared by servers.")] = None,
+    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
+    ratio: Annotated[float, typer.Option(help="cacheblend: share of reused tokens recomputed.")] = 0.15,
+    out: Annotated[Optional[Path], typer.Option(help="cacheblend: where to write LMCache's YAML.")] = None,
+) -> None:
+    """Print what a stock vLLM server needs to run a KV connector: its arguments (and for CacheBlend, LMCache's
+    config file, written to --out, and the environment that names it)."""
+    import json as _json
+    import shlex
+
+    if backend == "contextkit":
+        from contextkit.integrations.vllm_connector import ConnectorSettings, transfer_config
+
+        try:
+            settings = ConnectorSettings(disk_dir=disk_dir, remote_url=remote_url, cache_dir=cache_dir)
+        except ContextKitError as exc:
+            _fail(str(exc))
+        typer.echo("--kv-transfer-config " + shlex.quote(_json.dumps(transfer_config(settings))))
+        return
+    if backend != "cacheblend":
+        _fail(f"--backend must be contextkit or cacheblend, got {backend!r}")
+    from contextkit.integrations.cacheblend import CacheBlendConfig, vllm_args, vllm_env, write_lmcache_config
+
+    if out is None:
+        _fail("--backend cacheblend writes LMCache's config: give --out FILE (e.g. lmcache-blend.yaml)")
+    try:
+        cfg = CacheBlendConfig(recompute_ratio=ratio, remote_url=remote_url)
+        path = write_lmcache_config(cfg, out)
+        env = vllm_env(cfg, path)
+    except ContextKitError as exc:
+        _fail(str(exc))
+    for k, v in env.items():
+        typer.echo(f"export {k}={shlex.quote(v)}")
+    typer.echo(" ".join(shlex.quote(a) for a in vllm_args(cfg)))
 
 
 @app.command("serve")

@@ -269,16 +269,19 @@ def reuse_options(fields: dict[str, Any] | None) -> ReuseOptions:
 
 
 def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reuse: bool = False,
-               default_max_tokens: int = 16) -> tuple[ChatBody, ChatRequest]:
+               default_max_tokens: int = 16, reuse_default: bool = True) -> tuple[ChatBody, ChatRequest]:
     """A chat body checked and turned into the planner's request (tenant, ordering, reuse and all).
 
     ``tenant`` maps the body's ``contextkit.tenant`` (None when absent) to the tenant the request runs as:
     a server's ``Tenancy.resolve`` for the request's key (it refuses names the key may not use).
+    ``reuse_default``: a request with documents and no ``contextkit.reuse`` reuses them with the default
+    options (serve's KV path); False: only a request that asks (the proxy's connector path, opt-in).
     """
     chat: ChatBody = validate(ChatBody, body)
     opts = chat.contextkit or ContextkitOptions()
     if opts.reuse is not None and not allow_reuse:
-        raise InputError("contextkit.reuse applies to contextkit serve (the KV path); the proxy sends prompts",
+        raise InputError("contextkit.reuse applies to contextkit serve (the KV path) and to a proxy whose "
+                         "upstreams run the contextkit KV connector (--kv-connector); this one sends prompts",
                          "contextkit")
     messages = tuple(Message(m.role, m.text()) for m in chat.messages)
     docs = tuple(Evidence(d.text, None if d.id is None else str(d.id), d.title) for d in chat.documents or ())
@@ -288,7 +291,8 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
     except InputError as exc:
         raise InputError(f"contextkit.tenant: {exc}", "contextkit") from None
     # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
-    reuse = reuse_options(opts.reuse) if allow_reuse and (docs or skills or opts.reuse is not None) else None
+    wants = opts.reuse is not None or (reuse_default and bool(docs or skills))
+    reuse = reuse_options(opts.reuse) if allow_reuse and wants else None
     request = ChatRequest(messages, docs, skills, runs_as, opts.ordering, opts.block_align, reuse,
                           chat.new_tokens or default_max_tokens, documents_at=opts.documents_at)
     return chat, request

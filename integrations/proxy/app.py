@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from contextkit.core.errors import ContextKitError, InputError, http_status
+from contextkit.core.errors import ConfigError, ContextKitError, InputError, http_status
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
@@ -45,7 +45,12 @@ SALTED = ("/v1/completions", "/v1/chat/completions")  # the routes where vLLM re
 def tenancy_of(settings: ProxySettings) -> Tenancy:
     """The proxy's tenancy: its API keys and the secret its cache salts derive from."""
     secret = deployment_secret(settings.cache_dir, settings.secret, settings.secret_file)
-    return Tenancy(load_api_keys(settings.api_keys_file, settings.api_keys), secret, settings.allow_client_tenant)
+    keys = load_api_keys(settings.api_keys_file, settings.api_keys)
+    if settings.kv_connector == "cacheblend" and (len(set(keys.values())) > 1 or settings.allow_client_tenant):
+        raise ConfigError("LMCache's CacheBlend keys its store without a tenant (LMCache #2878): a blending upstream "
+                          "serves one tenant. Give this proxy keys of one tenant and no allow_client_tenant, and "
+                          "run one blending deployment per tenant")
+    return Tenancy(keys, secret, settings.allow_client_tenant)
 
 
 class ProxyMetrics(ServerMetrics):

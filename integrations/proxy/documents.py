@@ -7,6 +7,10 @@ segments stay as tokenized, which is what lets the prefix cache hit) with the te
 and the completion is translated back into a chat completion, streamed or not, carrying a
 ``contextkit`` field (the order, whether it was reordered, the prompt tokens served from cache). The
 served order is recorded in the upstream's tree only once the upstream has accepted the request.
+
+With ``kv_connector`` set, a request may opt in to position-independent span reuse (``spans.py``): it
+goes with its spans in ``kv_transfer_params`` under a ``cache_salt`` of its own, its order is not recorded
+(it is not an exact prefix), and spans new to the upstream are compiled after it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
+from contextkit.integrations.cacheblend import blend_prompt_ids
 from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
+from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, spans_of
 from contextkit.integrations.upstreams import Upstream
 
 
@@ -36,7 +42,7 @@ def completion_body(body: dict, chat: ChatBody, plan: RequestPlan, salt: str) ->
     return out
 
 
-def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None) -> dict:
+def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: dict | None = None) -> dict:
     out = {"order": list(plan.document_ids), "reordered": plan.reordered,
            "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.url, "tenant": plan.tenant.name,
            "padding_tokens": plan.padding_tokens, "prompt_tokens": plan.num_tokens}
@@ -45,6 +51,8 @@ def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None) -> dict
         out["skills"] = skills  # name@version, in the order rendered
     if usage is not None:
         out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if reuse is not None:
+        out["reuse"] = reuse
     return out
 
 
@@ -52,14 +60,29 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                     body: dict, t: dict) -> None:
     """Answer a documents request for ``tenant`` (its key's; errors raised before the response starts are
     the caller's to send)."""
-    chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name))
+    connector = ups.settings.kv_connector
+    chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name), allow_reuse=connector != "none",
+                               reuse_default=False)
+    if request.reuse is not None:
+        check_options(connector, chat.contextkit.reuse or {})
     docs = planner.docs(request)
     u = ups.pool.route(docs, request.tenant)
     if u is None:
         ups.least_loaded()  # raises the 503
     plan = planner.plan(request, u.weaver, context_limit=await ups.model_len(u))
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
-    payload = json.dumps(completion_body(body, chat, plan, tenancy.cache_salt(plan.tenant))).encode()
+    salt = tenancy.cache_salt(plan.tenant)
+    out = completion_body(body, chat, plan, salt)
+    reuse = None
+    if request.reuse is not None and connector == "contextkit":  # span reuse: its own salt, its spans named
+        out["kv_transfer_params"] = pic_params(plan, salt, request.reuse)
+        out["cache_salt"] = pic_salt(salt, request.reuse)
+        reuse = {"path": "connector", "spans": len(out["kv_transfer_params"]["contextkit"]["spans"])}
+    elif request.reuse is not None:  # CacheBlend: segments joined by LMCache's separator
+        segments = [it.span.token_ids for it in plan.items if it.span.token_ids]
+        out["prompt"] = blend_prompt_ids(segments, ups.blend_separator(planner.tokenizer))
+        reuse = {"path": "cacheblend", "segments": len(segments)}
+    payload = json.dumps(out).encode()
     with ups.pool.lease(u):
         resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
         if resp.status != 200:  # the upstream refused the request: its own error, as it is
@@ -69,9 +92,13 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": text.encode()})
             return
-        u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
+        if reuse is None:
+            u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
+        elif connector == "contextkit":
+            ids = plan.ids
+            ups.compiler.schedule(u.url, chat.model, salt, [ids[s:e] for s, e in spans_of(plan)])
         if chat.stream:
-            return await translate_stream(ups, u, resp, plan, receive, send, t)
+            return await translate_stream(ups, u, resp, plan, receive, send, t, reuse)
         try:
             obj = json.loads(await resp.read())
         except (*UPSTREAM_ERRORS, ValueError) as exc:
@@ -80,7 +107,22 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         resp.release()
     ups.first_bytes(t)
     ups.metrics.usage(obj.get("usage"))
-    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {})))
+    if reuse is not None and connector == "contextkit":
+        reuse = {**reuse, **connector_report(ups, u, chat.model, salt, plan, obj.get("kv_transfer_params"))}
+    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)))
+
+
+def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,
+                     params: dict | None) -> dict:
+    """What the connector says it loaded; spans it found missing are compiled again."""
+    got = (params or {}).get("contextkit") or {}
+    missing = [m for m in got.get("missing_spans") or () if isinstance(m, list) and len(m) == 2]
+    if missing:
+        ids = plan.ids
+        for s, e in missing:
+            ups.compiler.forget(u.url, salt, ids[s:e])
+        ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in missing])
+    return {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing)}
 
 
 def _chat_id(obj: dict) -> str:
@@ -96,7 +138,8 @@ def chat_from_completion(resp: dict, ext: dict) -> dict:
     return completion(rid, resp.get("model"), True, choices, resp.get("usage") or None, ext, resp.get("created"))
 
 
-async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan, receive, send, t: dict) -> None:
+async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan, receive, send, t: dict,
+                           reuse: dict | None = None) -> None:
     """Relay a streamed completion as chat chunks (``relay.streamed`` handles hang-ups and failures)."""
     t["status"] = 200
     await send({"type": "http.response.start", "status": 200,
@@ -122,5 +165,5 @@ async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan,
             use = obj.get("usage")
             ups.metrics.usage(use)
             out = chunk(_chat_id(obj), obj.get("model"), True, deltas,
-                        obj.get("created"), use, extension(plan, u, use) if use else None)
+                        obj.get("created"), use, extension(plan, u, use, reuse) if use else None)
             await send({"type": "http.response.body", "body": sse(out), "more_body": True})

@@ -19,6 +19,7 @@ import yarl
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.openai_api import error_body, sse
 from contextkit.integrations.proxy.settings import ProxySettings
+from contextkit.integrations.proxy.spans import SpanCompiler
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
@@ -63,6 +64,16 @@ class Upstreams:
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
         self._model_len: dict[str, int | None] = {}
+        self.compiler = SpanCompiler(self._post_json, settings.span_compiles)
+        self._separator: list[int] | None = None
+
+    def blend_separator(self, tokenizer) -> list[int]:
+        """The token ids LMCache's CacheBlend splits prompts at (``kv_connector="cacheblend"``), found once."""
+        if self._separator is None:
+            from contextkit.integrations.cacheblend import CacheBlendConfig, separator_ids
+
+            self._separator = separator_ids(tokenizer, CacheBlendConfig(separator=self.settings.cacheblend_separator))
+        return self._separator
 
     async def open(self) -> None:
         # aiohttp, not httpx: httpx's connection pool rescans every pooled connection (a poll() each) on
@@ -79,6 +90,13 @@ class Upstreams:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+    async def _post_json(self, url: str, body: bytes) -> int:
+        """POST a completion to an upstream for the proxy itself (span compiles); the status."""
+        async with self.session.post(url + "/v1/completions", data=body,
+                                     headers={"content-type": "application/json"}) as r:
+            await r.read()
+            return r.status
 
     def failure(self, u: Upstream, exc: BaseException) -> UpstreamError:
         """The error to answer a failed call to ``u`` with (a connection failure also counts against it)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
@@ -35,6 +36,13 @@ class ProxySettings(BaseSettings):
     # requests per second per tenant, checked before the body is read (429 past it); 0: no limit, as vLLM
     rate_per_s: float = Field(0.0, ge=0)
     rate_burst: int = Field(0, ge=0)  # requests a quiet tenant may send at once; 0: twice the rate
+    # the KV connector the upstreams run, which documents requests may opt in to (contextkit.reuse):
+    # "contextkit" (integrations/vllm_connector: span reuse, {"policy": "none"}), "cacheblend" (LMCache's
+    # CacheBlend, integrations/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by its separator),
+    # "none": no opt-in, prompts only
+    kv_connector: Literal["none", "contextkit", "cacheblend"] = "none"
+    cacheblend_separator: str = " # # "  # LMCache's blend_special_str on the upstreams (CacheBlendConfig)
+    span_compiles: int = Field(2, ge=1)  # span compiles running at once (each a prefill on an upstream)
 
 
 def load_settings(file: Path | None = None, **flags) -> ProxySettings:
