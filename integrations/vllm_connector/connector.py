@@ -28,6 +28,7 @@ whole values (Redis SET, the disk tier's temp file + rename) and every entry car
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import threading
@@ -447,6 +448,11 @@ class ContextKitConnector(KVConnectorBase_V1):
                 self.counters.add("dropped_saves")
 
     def _save_loop(self) -> None:
+        # saves yield the cores to the forward: on Linux a thread's nice value is its own
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):  # not Linux, or not allowed: saves run at normal priority
+            pass
         while True:
             item = self._saves.get()
             if item is None:
