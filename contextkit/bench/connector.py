@@ -13,7 +13,8 @@ same Redis). Rows, in the order they run:
   prefix cache hits what an earlier request of the session left as a prefix (plain prefix caching).
 - ``prefix caching, connector saving``: the same under another tenant with the connector on: every block
   is saved (on this 2-core machine the save thread's encoding and writes compete with the next prefill).
-- ``connector after restart``: A restarted (its prefix cache empty), the same requests: blocks load
+- ``connector after restart``: once the store holds what the saving row computed (``saved_share_before_restart``:
+  what arrived within 120 s), A restarted (its prefix cache empty), the same requests: blocks load
   from the disk tier.
 - ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
 - ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
@@ -61,6 +62,31 @@ def _first(obj: dict) -> tuple[str, dict[str, float]]:
     c = obj["choices"][0]
     top = ((c.get("logprobs") or {}).get("top_logprobs") or [{}])[0] or {}
     return c.get("text", ""), top
+
+
+def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, prompts, timeout_s: float = 120.0) -> float:
+    """Wait until the store holds every full block the saving row computed (saves finish on the
+    connector's thread after each answer); the share that arrived within ``timeout_s`` (the rest was
+    dropped: the save queue was full)."""
+    from contextkit.core.spec import load_spec
+    from contextkit.core.tenancy import derive
+    from contextkit.integrations.vllm_connector.keys import KVGeometry, block_keys, model_fingerprint
+    from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
+
+    spec = load_spec(model_dir)
+    geom = KVGeometry(model_fingerprint(model_dir), "bfloat16", block, spec.num_layers, spec.num_kv_heads,
+                      spec.head_dim)
+    keys = {k.digest: k for p in prompts for k in block_keys(geom, salt, p.ids, (p.num_tokens - 1) // block)}
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=derive(cfg.load_secret(), "kv-mac")))
+    try:
+        deadline, missing = time.monotonic() + timeout_s, dict(keys)
+        while missing and time.monotonic() < deadline:
+            missing = {d: k for d, k in missing.items() if not tier.contains(k)}
+            if missing:
+                time.sleep(0.5)
+        return round(1 - len(missing) / max(1, len(keys)), 3)
+    finally:
+        tier.close()
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -143,7 +169,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         measure("full prefill (cold)", a.url, lambda i, p: body(p, f"{salt}-cold-{i}", off))
         measure("prefix caching", a.url, lambda i, p: body(p, f"{salt}-plain", off))
         measure("prefix caching, connector saving", a.url, lambda i, p: body(p, salt))
-        time.sleep(2.0)  # saves finish on the connector's thread
+        tick("waiting for A's saves")
+        saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, prompts)
         tick("restarting A")
         a.stop()
         a = server("a", a_set, a_port).start()
@@ -217,6 +244,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "pic_recompute_last_speedup_vs_prefix": rows["span reuse, recompute last span"]["speedup_vs_prefix"],
         "pic_recompute_last_top1_agreement": rows["span reuse, recompute last span"]["top1_agreement"],
         "prefix_speedup_vs_cold": rows["prefix caching"]["speedup_vs_cold"],
+        "saved_share_before_restart": saved_share,
         "saving_vs_prefix": rows["prefix caching, connector saving"]["speedup_vs_prefix"],
         "prompt_tokens_p50": median(tokens),
     }

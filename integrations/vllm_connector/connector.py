@@ -67,6 +67,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("contextkit.connector")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+# The save thread's nice value. 19 kept saves off the forward's cores entirely and starved them under a
+# stream of new prompts (the queue overflowed, a quarter of the blocks was dropped); 10 leaves them ~10%
+# of a contended core, which is what saving costs next to a prefill (bench connector).
+SAVE_NICE = 10
 
 
 # -- what the scheduler tells the worker -----------------------------------------------------------------
@@ -158,6 +162,8 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._rotator = None
         self._load_errors: set[int] = set()
         self._saves: queue.Queue | None = None
+        self._pending_bytes = 0  # entries queued for the store (bounded by settings.save_queue_bytes)
+        self._pending_lock = threading.Lock()
         self._saver: threading.Thread | None = None
         log.info("contextkit connector (%s) on %s: %s", role.name, self.geometry.layout(),
                  ", ".join(f"{t.name}" for t in self.store.tiers))
@@ -344,7 +350,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         if (self._paged.num_heads, self._paged.head_size) != (self.geometry.num_kv_heads, self.geometry.head_size):
             raise ConfigError(f"KV cache heads/head size {self._paged.num_heads}/{self._paged.head_size} differ from "
                               f"the model's {self.geometry.num_kv_heads}/{self.geometry.head_size}")
-        self._saves = queue.Queue(self.settings.save_queue)
+        self._saves = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="contextkit-connector-save", daemon=True)
         self._saver.start()
 
@@ -442,15 +448,20 @@ class ContextKitConnector(KVConnectorBase_V1):
             tensors = {"k": k[:, :, at : at + n], "v": v[:, :, at : at + n],
                        "ids": torch.tensor(op.ids, dtype=torch.int64)}
             at += n
-            try:
-                self._saves.put_nowait((op.key, make_entry(op.key, tensors, self.geometry.layout())))
-            except queue.Full:
+            entry = make_entry(op.key, tensors, self.geometry.layout())
+            with self._pending_lock:
+                full = self._pending_bytes + entry.nbytes > self.settings.save_queue_bytes
+                if not full:
+                    self._pending_bytes += entry.nbytes
+            if full:
                 self.counters.add("dropped_saves")
+            else:
+                self._saves.put((op.key, entry))
 
     def _save_loop(self) -> None:
         # saves yield the cores to the forward: on Linux a thread's nice value is its own
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)
         except (OSError, AttributeError):  # not Linux, or not allowed: saves run at normal priority
             pass
         while True:
@@ -466,6 +477,8 @@ class ContextKitConnector(KVConnectorBase_V1):
                 log.warning("contextkit connector: save failed (%s)", exc)
                 self.counters.add("dropped_saves")
             finally:
+                with self._pending_lock:
+                    self._pending_bytes -= entry.nbytes
                 self._saves.task_done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

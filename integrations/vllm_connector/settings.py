@@ -43,8 +43,8 @@ class ConnectorSettings:
         timeout_s: deadline of one store call; a slower or dead store answers a miss and vLLM computes.
         cache_dir: where the deployment secret lives (``<cache_dir>/secret``), shared with the proxy.
         secret_file: the secret's file, when it is not ``<cache_dir>/secret``.
-        save_queue: saves waiting for the store at most; past it a save is dropped (and counted), so a
-            slow store never holds a forward step.
+        save_queue_bytes: bytes of entries waiting for the store at most; past it a save is dropped (and
+            counted), so a slow store never holds a forward step nor fills the server's memory.
         encrypt: encrypt entries at rest (AES-256-GCM under a key derived from the secret).
     """
 
@@ -54,7 +54,7 @@ class ConnectorSettings:
     timeout_s: float = 2.0
     cache_dir: Path = DEFAULT_CACHE_DIR
     secret_file: Path | None = None
-    save_queue: int = 256
+    save_queue_bytes: int = 1 << 30
     encrypt: bool = False
 
     def __post_init__(self) -> None:
@@ -65,8 +65,8 @@ class ConnectorSettings:
             url = urllib.parse.urlparse(self.remote_url)
             if url.scheme not in ("redis", "lm") or not url.hostname or not url.port:
                 raise ConfigError(f"remote_url must be redis://host:port or lm://host:port, got {self.remote_url!r}")
-        if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue < 1:
-            raise ConfigError("timeout_s and disk_bytes must be positive and save_queue at least 1")
+        if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue_bytes <= 0:
+            raise ConfigError("timeout_s, disk_bytes and save_queue_bytes must be positive")
         for name in ("disk_dir", "cache_dir", "secret_file"):
             value = getattr(self, name)
             if value is not None:
