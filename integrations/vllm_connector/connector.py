@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from contextkit.core.errors import ConfigError
-from contextkit.core.tenancy import deployment_secret, derive, load_secret
+from contextkit.core.tenancy import deployment_secret, derive
 from contextkit.integrations.vllm_connector.keys import (
     ConnectorKey,
     KVGeometry,
@@ -126,7 +126,6 @@ class _Request:
     saved_blocks: int = -1  # exact blocks saved or known stored; -1: not scheduled yet
     span_saved: bool = False
     loaded_tokens: int = 0
-    missing: tuple = ()
 
 
 class ContextKitConnector(KVConnectorBase_V1):
@@ -166,7 +165,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._pending_lock = threading.Lock()
         self._saver: threading.Thread | None = None
         log.info("contextkit connector (%s) on %s: %s", role.name, self.geometry.layout(),
-                 ", ".join(f"{t.name}" for t in self.store.tiers))
+                 ", ".join(t.name for t in self.store.tiers))
 
     # -- set-up ----------------------------------------------------------------------------------------
     def _open_store(self):
@@ -174,7 +173,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         from contextkit.kvstore.tiered import TieredStore
 
         s = self.settings
-        secret = load_secret(s.secret_file) if s.secret_file else deployment_secret(s.cache_dir)
+        secret = deployment_secret(s.cache_dir, path=s.secret_file)
         mac_key, enc_key = derive(secret, "kv-mac"), (derive(secret, "kv-enc") if s.encrypt else None)
         tiers = []
         if s.disk_dir is not None:
@@ -384,7 +383,9 @@ class ContextKitConnector(KVConnectorBase_V1):
             return
         k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # (layers, heads, tokens, head_size)
         delta = torch.cat(shifts)
-        slots = torch.cat([slots_of(list(op.block_ids), bs, p.dst, p.dst + p.n) for p in good])
+        # the pieces are contiguous from op.start (the scheduler plans them so): one slot lookup
+        slots = slots_of(list(op.block_ids), bs, good[0].dst, good[-1].dst + good[-1].n)
+        assert len(slots) == delta.numel(), "load pieces must be contiguous"
         rotate = bool(delta.any())
         for li, (_, cache) in enumerate(self._caches):
             kl = self._rotate(k[li], delta, li) if rotate else k[li]
