@@ -195,6 +195,11 @@ class Engine:
             if layer.sliding_window not in masks:
                 masks[layer.sliding_window] = attention_mask(cache, q_slots, end, attend, layer.sliding_window)
 
+        # Rows scattered over the cache (selective recomputation) see different key ranges: attention
+        # runs per chunk of rows over only the keys the chunk may see (exact: the cut keys are masked
+        # for every row of the chunk). A masked SDPA call otherwise scores every row against every key.
+        chunks = {w: _row_chunks(m) for w, m in masks.items()}
+
         last = s.num_layers - 1
         n_layers = s.num_layers if stop_after is None else stop_after
         for i, (lw, layer) in enumerate(zip(w.layers[:n_layers], s.layers[:n_layers])):
@@ -213,6 +218,7 @@ class Engine:
             if i == last and keep is not None:
                 if keep.numel() == 0:
                     return x[:0]
+                chunks = {w: None for w in chunks}  # the kept rows: one call
                 q, x, cos, sin, rows, q_at = q[keep], x[keep], cos[keep], sin[keep], keep.numel(), q_slots[keep]
                 if mask is not None:
                     mask = mask[keep]
@@ -226,16 +232,8 @@ class Engine:
             if probe is not None and i in probe.layers:
                 explicit = causal_mask(q_at, end) if is_causal else mask
                 probe.observe(i, q, keys, explicit, s.attn_scale)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=is_causal,
-                scale=s.attn_scale,
-                enable_gqa=s.num_heads != s.num_kv_heads,
-            )  # (1, H, rows, D)
-            a = F.linear(o[0].transpose(0, 1).reshape(rows, s.q_dim), lw.wo, lw.bo)
+            o = self._attention(q, keys, values, mask, is_causal, chunks[layer.sliding_window])  # (H, rows, D)
+            a = F.linear(o.transpose(0, 1).reshape(rows, s.q_dim), lw.wo, lw.bo)
             if lw.post_attn_norm is not None:
                 a = lw.post_attn_norm(a)
             x = x + a
@@ -247,3 +245,48 @@ class Engine:
                 m = lw.post_mlp_norm(m)
             x = x + m
         return x
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        chunks: list[tuple[slice, int, int]] | None,
+    ) -> torch.Tensor:
+        """SDPA of q (H, rows, D) over keys/values (Hkv, T, D) -> (H, rows, D), per row chunk if given."""
+        s = self.spec
+        gqa = s.num_heads != s.num_kv_heads
+        if chunks is None or mask is None:
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=is_causal,
+                scale=s.attn_scale, enable_gqa=gqa,
+            )[0]
+        out = q.new_empty(q.shape)
+        for rows, lo, hi in chunks:
+            out[:, rows] = F.scaled_dot_product_attention(
+                q[:, rows].unsqueeze(0), keys[:, lo:hi].unsqueeze(0), values[:, lo:hi].unsqueeze(0),
+                attn_mask=mask[rows, lo:hi], scale=s.attn_scale, enable_gqa=gqa,
+            )[0]
+        return out
+
+
+ROW_CHUNK = 128  # rows per attention call for scattered rows; fewer calls cost Python, more save little
+
+
+def _row_chunks(mask: torch.Tensor | None) -> list[tuple[slice, int, int]] | None:
+    """Row chunks of ``mask`` (rows, T) with the key range [lo, hi) each may see; None: one call is best."""
+    if mask is None or mask.shape[0] < 2 * ROW_CHUNK:
+        return None
+    out, saved = [], 0
+    for start in range(0, mask.shape[0], ROW_CHUNK):
+        rows = slice(start, min(start + ROW_CHUNK, mask.shape[0]))
+        cols = mask[rows].any(0).nonzero()
+        if cols.numel() == 0:  # rows that see nothing: let SDPA give what it gives for them, as before
+            return None
+        lo, hi = int(cols[0]), int(cols[-1]) + 1
+        saved += mask.shape[1] - (hi - lo)
+        out.append((rows, lo, hi))
+    # worth it only when the chunks skip a real share of the keys
+    return out if saved * 4 >= mask.shape[1] * len(out) else None
