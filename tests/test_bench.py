@@ -11,7 +11,8 @@ import pytest
 def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir, cli):
     out, png = tmp_path / "engine.json", tmp_path / "engine.png"
     proc = cli("bench", "engine", "--n", "2", "--json", str(out), "--plot", str(png),
-               "--set", "lengths=64,128", "--set", "decode_tokens=2", "--set", "eager=0")
+               "--set", "lengths=64,128", "--set", "decode_tokens=2", "--set", "eager=0",
+               "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["bench"] == "engine"
