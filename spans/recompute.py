@@ -12,7 +12,8 @@ interface (``select``), chosen per request by ``ReuseOptions.policy``:
   top r.
 - ``query_attention``: prefill the query on top of the reused cache, under the final positions, and
   score every reused token by the attention it receives from the query (probability x value norm,
-  summed over heads, layers and query tokens); keep the top r, or, with ``fidelity_budget``, the
+  summed over heads, the first ``probe_layers`` layers and query tokens); keep the top r (at most
+  ``max_recompute`` tokens), or, with ``fidelity_budget``, the
   fewest tokens such that the share of the query's attention mass left on stale tokens is <= budget.
   That share is the documented deviation estimate: the part of the query's read that still goes
   through KV computed without its new context.
@@ -73,8 +74,10 @@ class _AttentionMass:
         self.score += (probs * vnorm).sum(dim=(0, 1))
 
 
-def _top(candidates: torch.Tensor, scores: torch.Tensor, ratio: float) -> torch.Tensor:
+def _top(candidates: torch.Tensor, scores: torch.Tensor, ratio: float, cap: int | None = None) -> torch.Tensor:
     count = int(round(ratio * candidates.numel()))
+    if cap is not None:
+        count = min(count, cap)
     if count == 0:
         return candidates[:0]
     order = scores[candidates].argsort(descending=True)
@@ -116,19 +119,24 @@ def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOpti
                        stop_after=layer + 1)
         end = cache.length  # every candidate slot is below it
         deviation = (cache.k[layer, :, :end] - before[:, :end]).float().norm(dim=-1).sum(0)  # (end,)
-        return Selection(_top(cand, deviation, options.ratio))
+        return Selection(_top(cand, deviation, options.ratio, options.max_recompute))
     if policy == "query_attention":
         length = cache.length
         q = layout.query
         idx = torch.isin(layout.slots, q)
-        probe = _AttentionMass(range(engine.spec.num_layers), cache, length + q.numel())
+        depth = options.probe_layers or engine.spec.num_layers
+        depth = min(depth, engine.spec.num_layers)
+        probe = _AttentionMass(range(depth), cache, length + q.numel())
         engine.forward(cache, layout.ids[idx], positions=layout.positions[idx], slots=layout.slots[idx],
-                       logits="none", probe=probe)
+                       logits="none", probe=probe, stop_after=depth if depth < engine.spec.num_layers else None)
         cache.truncate(length)  # the query is prefilled again after recomputation
         score = probe.score
         total = float(score[:length].sum()) or 1.0
         if options.fidelity_budget is None:
-            picked = _top(cand, score, options.ratio)
+            pool = cand
+            if options.first_k:  # the sinks are recomputed anyway: spend the ratio on other tokens
+                pool = cand[~torch.isin(cand, _first_k(layout, options.first_k))]
+            picked = _top(pool, score, options.ratio * cand.numel() / max(pool.numel(), 1), options.max_recompute)
         else:
             order = cand[score[cand].argsort(descending=True)]
             stale = float(score[cand].sum()) / total  # share of attention on candidates, none recomputed
