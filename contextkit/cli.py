@@ -125,7 +125,7 @@ def generate(
     system: Annotated[Optional[str], typer.Option(help="System prompt (overrides the JSON's).")] = None,
     model: ModelOpt = "smollm2-135m-instruct",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-    dtype: Annotated[str, typer.Option(help="float32 (default on CPU) or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")] = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: float = 1.0,
@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines, connector).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines, connector, trace).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -192,6 +192,7 @@ def bench(
     model: ModelOpt = "smollm2-135m-instruct",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
     threads: Optional[int] = None,
+    dtype: Annotated[str, typer.Option(help="Engine dtype of the measured path: auto, float32 or bfloat16.")] = "auto",
     option: Annotated[
         list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
     ] = [],
@@ -213,7 +214,8 @@ def bench(
     try:
         ctx = BenchContext(
             name=name, data=data, n=n, seed=seed, json_out=json_out, plot=plot,
-            config=ContextKitConfig(model=model, cache_dir=cache_dir, threads=threads), options=extra,
+            config=ContextKitConfig(model=model, cache_dir=cache_dir, threads=threads, dtype=dtype),
+            options=extra,
         )
         run_bench(ctx, console=out)
     except ContextKitError as exc:
@@ -315,7 +317,7 @@ def serve_cmd(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     model: ModelOpt = "smollm2-135m-instruct",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-    dtype: Annotated[str, typer.Option(help="float32 (default on CPU) or bfloat16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")] = "auto",
     threads: Optional[int] = None,
     served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
     kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
@@ -325,6 +327,7 @@ def serve_cmd(
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
     rate_limit: Annotated[str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body is read. 0: no limit.")] = "10/20",
+    compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: only exact prefixes are reused for them.")] = True,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     import uvicorn
@@ -340,7 +343,7 @@ def serve_cmd(
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url, encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
         tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
-        limits = ServeLimits(rate=RateLimit.parse(rate_limit))
+        limits = ServeLimits(rate=RateLimit.parse(rate_limit), compile_idle=compile_idle)
         err.print(check_bind(tenancy, host))
         status, update = _status(err)
         with status:

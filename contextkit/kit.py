@@ -8,7 +8,7 @@ where documents are position-free spans compiled once and re-positioned into lat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -37,8 +37,10 @@ class KitStream:
     ``plan`` is what ran; ``report`` says what span reuse did (None for a plain prefill).
     """
 
-    def __init__(self, stream: Stream, plan: RequestPlan, report: ReuseReport | None):
+    def __init__(self, stream: Stream, plan: RequestPlan, report: ReuseReport | None,
+                 after: Callable[[], object] | None = None):
         self._stream, self.plan, self.report = stream, plan, report
+        self._after = after  # runs once the answer is complete (compiles the spans it computed in context)
         self.result: Generation | None = None
 
     @property
@@ -52,6 +54,8 @@ class KitStream:
         if self.report is not None:  # time to first token includes assembling the spans
             gen = dataclasses.replace(gen, prefill_ms=gen.prefill_ms + self.report.total_ms, reuse=self.report)
         self.result = gen
+        if self._after is not None:
+            self._after()
 
     def finish(self) -> Generation:
         """Run to the end (discarding deltas) and return the Generation."""
@@ -127,9 +131,15 @@ class ContextKit:
         """The request's plan, ordered for the tenant by the kit's Weaver (nothing recorded yet)."""
         return self.planner.plan(request, self.weaver)
 
-    def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams()) -> KitStream:
+    def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams(), compile_after: bool = True) -> KitStream:
         """Start ``plan``: a plain prefill of its tokens, or the KV path when ``plan.options`` allows
-        reuse. The served order is recorded for the tenant once the prompt is in place."""
+        reuse. The served order is recorded for the tenant once the prompt is in place.
+
+        On the KV path, documents with no KV yet are computed in the request's context (exact after an
+        exact prefix, and kept as prefix links); with ``compile_after`` they are compiled position-free
+        once the answer is complete, so later requests reuse them at any position (``serve`` compiles
+        them when its engine is idle instead)."""
+        after = None
         if plan.options is None:
             stream = Stream(self.engine, self.tokenizer, plan.ids, params)
             report = None
@@ -137,8 +147,9 @@ class ContextKit:
             asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
             stream = Stream(self.engine, self.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
             report = asm.report
+            after = self.spans.compile_pending if compile_after else None
         self.weaver.record(plan.served, plan.tenant)
-        return KitStream(stream, plan, report)
+        return KitStream(stream, plan, report, after)
 
     def stream(
         self,

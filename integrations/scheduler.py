@@ -8,7 +8,8 @@ the least-served busy tenant, so idle time banks no credit), and within a tenant
 turn, a request not yet started first. So one tenant's 8000-token answers or 200 queued requests cost
 every other tenant at most one step each per turn, and a new request's first token waits for one turn
 of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
-for a place, planned at their turn.
+for a place, planned at their turn. Background work (compiling spans requests computed in context) runs
+in bounded units only when no request waits, so a request never queues behind more than one unit.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class FairScheduler:
     """The engine thread. ``submit`` hands it a job from any thread; ``close`` stops it (jobs not yet
     ended get ``done``)."""
 
-    def __init__(self, max_active: int = 8):
+    def __init__(self, max_active: int = 8, idle: Callable[[], bool] | None = None):
         self.max_active = max_active
+        self.idle = idle  # one bounded unit of background work (True if it did any), run when no job waits
         self._cv = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._closed = False
@@ -119,6 +121,10 @@ class FairScheduler:
         active: dict[Tenant, deque[Job]] = {}  # started: holding KV
         n_active = 0
         while True:
+            with self._cv:
+                free = not self._inbox and not waiting and not active and not self._closed
+            if free and self.idle is not None and self.idle():
+                continue  # a unit of background work done: look for jobs again before the next one
             with self._cv:
                 while not self._inbox and not waiting and not active and not self._closed:
                     self._cv.wait()

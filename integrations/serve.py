@@ -51,6 +51,9 @@ class ServeLimits:
         max_body_bytes: a larger request body gets 413.
         retry_after_s: what a 429 from a full queue tells the client to wait.
         rate: requests per second per tenant, checked before the body is read (429 past it).
+        compile_idle: compile documents that requests computed in context (no KV yet) into position-free
+            spans while the engine is idle, one span per idle turn, so later requests reuse them at any
+            position; off: only exact prefixes are reused for them (and spans compiled ahead of time).
     """
 
     max_queue: int = 32
@@ -60,6 +63,7 @@ class ServeLimits:
     max_body_bytes: int = 8 << 20
     retry_after_s: float = 2.0
     rate: RateLimit = RateLimit(10.0, 20)  # the engine answers a few requests a second in all
+    compile_idle: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_queue, self.max_queue_per_tenant, self.max_active, self.max_body_bytes) < 1 or self.deadline_s <= 0:
@@ -75,7 +79,8 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     """
     tenancy = tenancy or Tenancy()
     pending: set[Job] = set()  # queued or running on the engine thread
-    scheduler = FairScheduler(limits.max_active)
+    idle = (lambda: kit.spans.compile_pending(limit=1) > 0) if limits.compile_idle else None
+    scheduler = FairScheduler(limits.max_active, idle)
     limiter = RateLimiter(limits.rate)
 
     @contextlib.asynccontextmanager
@@ -111,6 +116,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         return {"reused_tokens": rep.reused_tokens, "cached_tokens": rep.cached_tokens,
                 "recomputed_tokens": rep.recomputed_tokens,
                 "prefilled_tokens": rep.prefilled_tokens, "compiled_tokens": rep.compiled_tokens,
+                "exact_tokens": rep.exact_tokens,
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 
@@ -253,8 +259,8 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         body, req = parse_chat(await body_of(request), lambda name: tenancy.resolve(tenant, name),
                                allow_reuse=True, default_max_tokens=256)
         params = sampling(body)
-        return await run(lambda: kit.run(kit.plan(req), params), body, request, "/v1/chat/completions", chat=True,
-                         tenant=req.tenant)
+        return await run(lambda: kit.run(kit.plan(req), params, compile_after=False), body, request,
+                         "/v1/chat/completions", chat=True, tenant=req.tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -264,7 +270,7 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
 
         def make():
             plan = kit.planner.plan_prompt(body.prompt, tenant, max_new_tokens=params.max_new_tokens)
-            return kit.run(plan, params)
+            return kit.run(plan, params, compile_after=False)
 
         return await run(make, body, request, "/v1/completions", chat=False, tenant=tenant)
 

@@ -15,6 +15,7 @@ reused spans and are computed in context.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.kernels.rerotate import Rerotator
 from contextkit.core.plan import RequestPlan, ReuseReport
-from contextkit.spans.compile import compile_span, model_identity, write_span
-from contextkit.spans.key import span_key
+from contextkit.spans.compile import compile_span, cut_span, model_identity, write_span
+from contextkit.spans.key import SpanKey, span_key
 from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
 from contextkit.core.tenant import Tenant
@@ -66,11 +67,32 @@ class SpanCache:
         store: SpanStore | None = None,
         rerotator: Rerotator | None = None,
         tokenizer_fingerprint: str = "",
+        max_pending: int = 4096,
     ):
         self.engine = engine
         self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
+        # spans a request computed in context (a miss) and that have no position-free entry yet:
+        # compiled by compile_pending(), off the request path (oldest dropped past max_pending)
+        self.pending: OrderedDict[SpanKey, tuple[Span, Tenant | str]] = OrderedDict()
+        self.max_pending = max_pending
+
+    def compile_pending(self, limit: int | None = None) -> int:
+        """Compile up to ``limit`` spans (all: None) that requests computed in context, position-free, so
+        later requests reuse them at any position. Returns how many were compiled."""
+        done = 0
+        while self.pending and (limit is None or done < limit):
+            key, (span, tenant) = self.pending.popitem(last=False)
+            if key not in self.store:
+                self.compiled(span, (), tenant)
+            done += 1
+        return done
+
+    def _chain_key(self, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
+        """The key of a span computed in place right after the exact prefix ``prev`` names (vLLM's
+        automatic prefix caching on span keys: each link names the one before it, so a hit is exact)."""
+        return span_key(self.identity, item_tokens, (prev,) if prev is not None else (), tenant)
 
     def compiled(
         self, span: Span, deps: tuple[CompiledSpan, ...] = (), tenant: Tenant | str = ""
@@ -157,20 +179,55 @@ class SpanCache:
             )
             return Assembly(cache, logits, report)
 
-        # 1. fetch or compile every reused span (dependencies first: they are earlier items)
+        # 1. fetch every reused span. Leading spans are looked up as an exact prefix first (each keyed
+        # by the one before it); a span found nowhere is computed in the new context like the query
+        # (stored as a prefix link when everything before it is exact, and queued for a position-free
+        # compile off the request path); spans pinned to a position or declaring their own
+        # dependencies are compiled on a miss as they were compiled before (dependencies first)
         compiled: dict[int, CompiledSpan] = {}
         misses = compiled_tokens = 0
         hit_items: list[int] = []
+        exact: set[int] = set()
+        in_context: dict[int, SpanKey | None] = {}  # item -> its prefix-link key (None: not exact)
+        chain: SpanKey | None = None
+        exact_run = not opts.separator
         compile_ms = fetch_ms = 0.0
         for i, item in enumerate(plan.items):
             if not item.reuse:
+                exact_run = False
                 continue
             t0 = time.perf_counter()
+            free = item.position is None and not item.depends_on and i not in provided
+            entry, hit = None, False
             if i in provided:
                 entry, hit = provided[i], True
+            elif free:
+                link = self._chain_key(item.span.token_ids, chain, plan.tenant) if exact_run else None
+                if link is not None:
+                    entry = self.store.get(link)
+                if entry is not None:
+                    exact.add(i)
+                else:
+                    key = span_key(self.identity, item.span.token_ids, (), plan.tenant)
+                    entry = self.store.get(key) if key != link else None
+                    if entry is None:
+                        in_context[i] = link
+                        if key != link:
+                            self.pending[key] = (item.span, plan.tenant)
+                            self.pending.move_to_end(key)
+                            while len(self.pending) > self.max_pending:
+                                self.pending.popitem(last=False)
+                hit = entry is not None
+                chain = link
+                exact_run = exact_run and (i in exact or i in in_context)
             else:
                 entry, hit = self.compiled(item.span, tuple(compiled[d] for d in item.depends_on), plan.tenant)
+                exact_run = False
             elapsed = (time.perf_counter() - t0) * 1e3
+            if i in in_context:
+                misses += 1
+                continue
+            assert entry is not None
             compiled[i] = entry
             if hit:
                 hit_items.append(i)
@@ -185,13 +242,14 @@ class SpanCache:
         cache.segments[:n_slots] = PAD_SEGMENT
         rerotated = 0
         for p, i in zip(placed, owner):
-            if p.reuse and i >= 0:
+            if p.reuse and i >= 0 and i in compiled:
                 write_span(engine, cache, compiled[i], p.slot, p.position, i, self.rerotator)
                 rerotated += len(p.ids) if p.position else 0
         rerotate_ms = (time.perf_counter() - t0) * 1e3
         # the query's slots are appended by the final forward: the filled cache ends where it starts
-        # (its positions are still -1 from allocation)
-        layout = self._index(plan, placed, owner)
+        # (its positions are still -1 from allocation); spans computed in context stay masked padding
+        # until that forward writes them
+        layout = self._index(plan, placed, owner, exact, set(in_context))
         cache.length = int(layout.query.min())
 
         # 3. choose what to recompute
@@ -214,8 +272,13 @@ class SpanCache:
         )
         compute_ms = (time.perf_counter() - t0) * 1e3
         assert logits is not None
+        # spans computed in context after an exact prefix hold exact KV: keep them as prefix links
+        for i, link in in_context.items():
+            if link is not None:
+                slots = layout.item_slots[i]
+                self.store.put(cut_span(engine, cache, link, plan.items[i].span.token_ids, slots, self.rerotator))
 
-        reused_total = sum(len(p.ids) for p in placed if p.reuse)
+        reused_total = sum(len(p.ids) for p, i in zip(placed, owner) if p.reuse and i not in in_context)
         from_hits = torch.cat([layout.item_slots[i] for i in hit_items]) if hit_items else recompute[:0]
         cached = int(from_hits.numel() - torch.isin(from_hits, recompute).sum())
         report = ReuseReport(
@@ -239,11 +302,13 @@ class SpanCache:
             total_ms=(time.perf_counter() - t_start) * 1e3,
             estimated_deviation=selection.estimated_deviation,
             recomputed_slots=tuple(recompute.tolist()),
+            exact_tokens=sum(len(plan.items[i].span.token_ids) for i in exact),
         )
         return Assembly(cache, logits, report)
 
     @staticmethod
-    def _index(plan: RequestPlan, placed: list[_Placed], owner: list[int]) -> Layout:
+    def _index(plan: RequestPlan, placed: list[_Placed], owner: list[int], exact_items: set[int] = frozenset(),
+               in_context: set[int] = frozenset()) -> Layout:
         ids, slots, pos, seg, item_slots = [], [], [], [], [torch.empty(0, dtype=torch.long)] * len(plan.items)
         computed, candidates = [], []
         trailing = len(placed)
@@ -261,14 +326,15 @@ class SpanCache:
             seg.append(torch.full((len(p.ids),), i if i >= 0 else len(plan.items) + j))
             if i >= 0:
                 item_slots[i] = s
-            if not p.reuse:
+            if not p.reuse or i in in_context:
                 computed.append(s)
                 exact_prefix = False
                 if j >= trailing:
                     query.append(s)
                 continue
             item = plan.items[i]
-            exact = exact_prefix and item.depends_on == tuple(range(i)) and item.position in (None, p.position)
+            exact = exact_prefix and (i in exact_items or item.depends_on == tuple(range(i))) and \
+                item.position in (None, p.position)
             expected = sum(len(q.ids) for q in placed[:j])
             exact = exact and p.position == expected
             if not exact:

@@ -86,3 +86,17 @@ def compile_span(
         rotate_layers(engine, k, -offset, k, rerotator)  # store as if the span started at position 0
     v = cache.v[:, :, offset:].contiguous()
     return CompiledSpan(key, tuple(span.token_ids), k, v, (time.perf_counter() - t0) * 1e3)
+
+
+def cut_span(
+    engine: KVEngine, cache: KVCache, key: SpanKey, token_ids: Sequence[int], slots: torch.Tensor, rerotator: Rerotator
+) -> CompiledSpan:
+    """The KV a request computed in ``slots`` (contiguous, consecutive positions), stored position-free
+    under ``key``: what a request that reaches the same prefix reuses exactly."""
+    lo, hi = int(slots[0]), int(slots[-1]) + 1
+    assert hi - lo == len(token_ids) == slots.numel(), "a span's slots are contiguous"
+    k = cache.k[:, :, lo:hi].clone()
+    start = int(cache.positions[lo])
+    if start:
+        rotate_layers(engine, k, -start, k, rerotator)  # as if the span started at position 0
+    return CompiledSpan(key, tuple(token_ids), k, cache.v[:, :, lo:hi].clone())

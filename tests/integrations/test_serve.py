@@ -41,8 +41,14 @@ def test_documents_become_spans_reused_by_the_next_request(served, repo):
                                            extra_body={"documents": docs})
     ext = first.model_extra["contextkit"]
     assert ext["span_misses"] >= len(docs) and ext["policy"] == "query_attention"
-    # KV compiled for this very request is reused but was not cached before it: usage says so
-    assert first.usage.prompt_tokens_details.cached_tokens == ext["cached_tokens"] < ext["reused_tokens"]
+    # documents with no KV yet are computed in the request's context: nothing reused, nothing cached
+    assert first.usage.prompt_tokens_details.cached_tokens == ext["cached_tokens"] == ext["reused_tokens"] == 0
+    assert ext["prefilled_tokens"] == first.usage.prompt_tokens and ext["compiled_tokens"] == 0
+    # ... and compiled position-free while the engine is idle, after the answer
+    deadline = time.monotonic() + 60
+    while kit.spans.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not kit.spans.pending
     again = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=16, temperature=0,
                                            extra_body={"documents": docs[::-1]})  # another order: same spans
     ext2 = again.model_extra["contextkit"]

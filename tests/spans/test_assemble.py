@@ -16,6 +16,7 @@ from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
 from contextkit.spans.store import KVSpanStore
+from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Span
 
@@ -43,6 +44,8 @@ def smol(smol_dir, passage_text):
     items = _plan_items(tok, passages, "Which of these people was born first?")
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
     full = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")))
+    for it in items[:-1]:  # compiled ahead, as a corpus is: these tests reuse them
+        cache.compiled(it.span)
     return engine, tok, cache, items, full, passages
 
 
@@ -57,7 +60,7 @@ def test_full_policy_is_plain_prefill(smol):
 @pytest.mark.parametrize("policy", ["query_attention", "kv_deviation"])
 def test_ratio_one_equals_full_prefill(smol, policy):
     _, _, cache, items, full, _ = smol
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy=policy, ratio=1.0)))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy=policy, ratio=1.0, max_recompute=None)))
     assert (got.logits - full.logits).abs().max().item() <= TOL
     r = got.report
     first = len(items[0].span.token_ids)  # the system prefix at position 0 is exact, never a candidate
@@ -213,8 +216,10 @@ def test_gemma_spans_reposition_per_layer_geometry(gemma_dir, passage_text):
     blocks = [b for b in passage_text.split("\n\n") if b.strip()][:4]
     items = _plan_items(tok, [Evidence(b, f"p{i}") for i, b in enumerate(blocks)], "Who is mentioned first?")
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    for it in items[:-1]:
+        cache.compiled(it.span)
     full = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")))
-    exact = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=1.0)))
+    exact = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None)))
     assert (exact.logits - full.logits).abs().max().item() <= TOL
     none = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)))
     span = items[2].span.token_ids
@@ -239,11 +244,79 @@ def test_prompt_cache_schema_positions(smol):
 
 
 def test_default_adds_span_starts_to_the_policy_choice(smol):
-    _, _, cache, items, _, _ = smol
-    got = cache.assemble(RequestPlan(items, ReuseOptions()))  # query_attention r=0.1 + first 2
+    engine, tok, _, items, _, _ = smol
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)  # no exact prefix links stored yet
+    for it in items[:-1]:
+        cache.compiled(it.span)
+    got = cache.assemble(RequestPlan(items, ReuseOptions()))  # query_attention r=0.3 (at most 512) + first 2
     slots = set(got.report.recomputed_slots)
     start = len(items[0].span.token_ids)  # the exact system prefix is never recomputed
     for it in items[1:-1]:
         assert {start, start + 1} <= slots
         start += len(it.span.token_ids)
     assert not slots & set(range(len(items[0].span.token_ids)))
+
+
+def test_max_recompute_caps_the_ratio(smol):
+    _, _, cache, items, _, _ = smol
+    free = cache.assemble(RequestPlan(items, ReuseOptions(ratio=0.5, first_k=0, max_recompute=None))).report
+    capped = cache.assemble(RequestPlan(items, ReuseOptions(ratio=0.5, first_k=0, max_recompute=7))).report
+    assert free.recomputed_tokens > 7 and capped.recomputed_tokens == 7
+    with pytest.raises(ConfigError, match="max_recompute"):
+        ReuseOptions(max_recompute=-1)
+
+
+def test_a_shallow_probe_still_ranks_and_stops_early(smol, monkeypatch):
+    """probe_layers=k runs the query through k layers only (observed: k calls), and picks as many tokens."""
+    _, _, cache, items, _, _ = smol
+    seen = []
+    import contextkit.spans.recompute as rc
+
+    original = rc._AttentionMass.observe
+    monkeypatch.setattr(rc._AttentionMass, "observe", lambda self, layer, *a: (seen.append(layer), original(self, layer, *a)))
+    shallow = cache.assemble(RequestPlan(items, ReuseOptions(probe_layers=3, first_k=0))).report
+    assert seen == [0, 1, 2]
+    seen.clear()
+    deep = cache.assemble(RequestPlan(items, ReuseOptions(probe_layers=0, first_k=0))).report
+    # all layers but the last: with logits="none" the engine skips the last layer's attention (no row needs it)
+    assert seen == list(range(cache.engine.spec.num_layers - 1))
+    assert shallow.recomputed_tokens == deep.recomputed_tokens > 0
+
+
+def test_a_span_with_no_kv_is_computed_in_context_and_kept_as_an_exact_prefix(smol):
+    """First sight: documents are computed in the request's context (exact: nothing approximate before
+    them), stored as prefix links and queued for a position-free compile. The same prefix again is
+    reused exactly, with nothing recomputed; compiled, the documents are reused in another order."""
+    engine, tok, _, _, _, passages = smol
+    items = _plan_items(tok, passages[:4], "Who is the oldest of them?")
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    full = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")))
+    n_docs = sum(len(it.span.token_ids) for it in items[1:-1])
+    first = cache.assemble(RequestPlan(items, ReuseOptions()))
+    r = first.report
+    assert r.misses == len(items) - 1 and r.hits == 0 and r.compiled_tokens == 0
+    assert r.prefilled_tokens == r.context_tokens and r.recomputed_tokens == 0
+    assert (first.logits - full.logits).abs().max().item() <= TOL  # computed in context: exact
+    assert len(cache.pending) == len(items) - 2  # the documents; the system prefix is stored as it is
+    again = cache.assemble(RequestPlan(items, ReuseOptions()))
+    r = again.report
+    assert r.hits == len(items) - 1 and r.misses == 0 and r.recomputed_tokens == 0
+    assert r.exact_tokens == r.reused_tokens == r.context_tokens - len(items[-1].span.token_ids)
+    assert (again.logits - full.logits).abs().max().item() <= TOL
+    assert cache.compile_pending() == len(items) - 2 and not cache.pending
+    swapped = (items[0], items[2], items[1], *items[3:])
+    moved = cache.assemble(RequestPlan(swapped, ReuseOptions(policy="none", first_k=0))).report
+    assert moved.hits == len(items) - 1 and moved.exact_tokens == len(items[0].span.token_ids)
+    assert moved.reused_tokens == moved.context_tokens - len(items[-1].span.token_ids) and n_docs > 0
+
+
+def test_exact_prefix_links_are_per_tenant_and_follow_the_whole_prefix(smol):
+    engine, tok, _, _, _, passages = smol
+    items = _plan_items(tok, passages[:3], "Who is named first?")
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    cache.assemble(RequestPlan(items, ReuseOptions(), tenant=Tenant("acme")))
+    other = cache.assemble(RequestPlan(items, ReuseOptions(), tenant=Tenant("globex"))).report
+    assert other.hits == 0 and other.exact_tokens == 0  # another tenant's prefix is not ours
+    changed = (items[0], items[2], items[1], *items[3:])  # same documents, another order: no exact link
+    r = cache.assemble(RequestPlan(changed, ReuseOptions(), tenant=Tenant("acme"))).report
+    assert r.exact_tokens == len(items[0].span.token_ids) and r.misses == len(items) - 2
