@@ -9,7 +9,8 @@ turn, a request not yet started first. So one tenant's 8000-token answers or 200
 every other tenant at most one step each per turn, and a new request's first token waits for one turn
 of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
 for a place, planned at their turn. Background work (compiling spans requests computed in context) runs
-in bounded units only when no request waits, so a request never queues behind more than one unit.
+in bounded units once no request has arrived for ``idle_after_s``: a request queues behind at most one
+unit, and a client sending requests back to back behind none.
 """
 
 from __future__ import annotations
@@ -93,9 +94,14 @@ class FairScheduler:
     """The engine thread. ``submit`` hands it a job from any thread; ``close`` stops it (jobs not yet
     ended get ``done``)."""
 
-    def __init__(self, max_active: int = 8, idle: Callable[[], bool] | None = None):
+    def __init__(self, max_active: int = 8, idle: Callable[[], bool] | None = None,
+                 on_start: Callable[[], None] | None = None, idle_after_s: float = 0.05):
         self.max_active = max_active
-        self.idle = idle  # one bounded unit of background work (True if it did any), run when no job waits
+        # one bounded unit of background work (True if it did any), run once no job has arrived for
+        # idle_after_s: a client sending requests back to back never waits behind it
+        self.idle = idle
+        self.idle_after_s = idle_after_s
+        self._on_start = on_start  # runs first on the engine thread (e.g. its torch thread count)
         self._cv = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._closed = False
@@ -117,14 +123,19 @@ class FairScheduler:
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         waiting: dict[Tenant, deque[Job]] = {}  # not started
         active: dict[Tenant, deque[Job]] = {}  # started: holding KV
         n_active = 0
         while True:
-            with self._cv:
-                free = not self._inbox and not waiting and not active and not self._closed
-            if free and self.idle is not None and self.idle():
-                continue  # a unit of background work done: look for jobs again before the next one
+            if self.idle is not None:
+                with self._cv:
+                    if not self._inbox and not waiting and not active and not self._closed:
+                        self._cv.wait(self.idle_after_s)  # a request arriving meanwhile goes first
+                    free = not self._inbox and not waiting and not active and not self._closed
+                if free and self.idle():
+                    continue  # a unit of background work done: look for jobs again before the next one
             with self._cv:
                 while not self._inbox and not waiting and not active and not self._closed:
                     self._cv.wait()

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from fastapi import FastAPI, Request  # module level: route signatures are resolved from module globals
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
@@ -71,16 +72,21 @@ class ServeLimits:
 
 
 def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
-                     limits: ServeLimits = ServeLimits()) -> FastAPI:
+                     limits: ServeLimits = ServeLimits(), engine_threads: int | None = None) -> FastAPI:
     """An OpenAI-compatible app over a ``ContextKit`` (its planner, engine and span cache).
 
     ``tenancy`` maps API keys to tenants (None: an open server, one shared tenant): a request's tenant,
     its span keys and its ordering history come from its key. ``limits`` bound what one client can ask.
+    ``engine_threads``: torch threads of the engine thread (set there, first; None: leave them). Load the
+    kit with one torch thread and pass the real count here: once another thread has run a parallel
+    region, OpenMP makes the engine thread's forwards ~20% slower (measured: a 1.1k-token bf16 prefill
+    ~450 ms instead of ~370 ms).
     """
     tenancy = tenancy or Tenancy()
     pending: set[Job] = set()  # queued or running on the engine thread
     idle = (lambda: kit.spans.compile_pending(limit=1) > 0) if limits.compile_idle else None
-    scheduler = FairScheduler(limits.max_active, idle)
+    start = (lambda: torch.set_num_threads(engine_threads)) if engine_threads else None
+    scheduler = FairScheduler(limits.max_active, idle, start)
     limiter = RateLimiter(limits.rate)
 
     @contextlib.asynccontextmanager
