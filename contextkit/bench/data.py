@@ -6,8 +6,10 @@ that shape works (``--data``), so benchmarks run on data nobody tuned for.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ class QARecord:
     question: str
     answers: tuple[str, ...]
     passages: tuple[Evidence, ...]
+    source: str = ""  # the dataset it came from ("hotpotqa", "musique", ...): benches report per source
 
 
 def _record(obj: dict, where: str) -> QARecord:
@@ -37,6 +40,7 @@ def _record(obj: dict, where: str) -> QARecord:
             question=obj["question"],
             answers=tuple(obj.get("answers") or ()),
             passages=passages,
+            source=str(obj.get("dataset") or obj.get("source") or ""),
         )
     except (KeyError, TypeError) as exc:
         raise InputError(
@@ -71,3 +75,49 @@ def sample(records: list[QARecord], n: int, seed: int) -> list[QARecord]:
     if n <= len(records):
         return rng.sample(records, n)
     return [rng.choice(records) for _ in range(n)]
+
+
+SPLITS = ("all", "tune", "heldout")
+
+
+def split(records: Sequence[QARecord], part: str) -> list[QARecord]:
+    """One half of ``records`` by a hash of each id: defaults are chosen on "tune", reported on "heldout".
+
+    The halves do not depend on the file's order or size, so a record stays on its side in any file.
+    """
+    if part not in SPLITS:
+        raise InputError(f"split must be one of {', '.join(SPLITS)}, got {part!r}")
+    if part == "all":
+        return list(records)
+    want = 0 if part == "tune" else 1
+    return [r for r in records if int(hashlib.sha256(r.id.encode()).hexdigest(), 16) % 2 == want]
+
+
+def with_distractors(
+    record: QARecord, pool: Sequence[QARecord], tokens: Callable[[Sequence[Evidence]], int], lo: int, hi: int,
+    seed: int,
+) -> tuple[Evidence, ...] | None:
+    """The record's passages plus passages of other records, shuffled, rendering to ``lo..hi`` tokens.
+
+    Long contexts for a QA record whose own passages are short: distractors are drawn (seeded) from
+    other records of the same file, so any file in the multihop shape gives every length band. The
+    record's own passages land at random ranks. ``tokens(passages)`` is the rendered prompt's length.
+    None when the band cannot be reached (the record alone is longer than ``hi``).
+    """
+    rng = random.Random(f"{seed}:{record.id}")
+    passages = [Evidence(text=p.text, title=p.title, id=f"q{i}") for i, p in enumerate(record.passages)]
+    if tokens(passages) > hi:
+        return None
+    others = [Evidence(text=p.text, title=p.title, id=f"d{j}")
+              for j, p in enumerate(p for r in pool if r.id != record.id for p in r.passages)]
+    rng.shuffle(others)
+    for p in others:
+        if tokens(passages) >= lo:
+            break
+        trial = passages + [p]
+        if tokens(trial) <= hi:
+            passages = trial
+    if tokens(passages) < lo:
+        return None
+    rng.shuffle(passages)
+    return tuple(Evidence(text=p.text, title=p.title, id=str(i)) for i, p in enumerate(passages))

