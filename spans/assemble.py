@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,21 +74,61 @@ class SpanCache:
         self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
-        # spans a request computed in context (a miss) and that have no position-free entry yet:
-        # compiled by compile_pending(), off the request path (oldest dropped past max_pending)
-        self.pending: OrderedDict[SpanKey, tuple[Span, Tenant | str]] = OrderedDict()
+        # work for off the request path (compile_pending), oldest dropped past max_pending: spans a
+        # request computed in context that have no position-free entry yet ("alone"), and anchored
+        # spans a request re-positioned that have no exact prefix link at their place yet ("prefix":
+        # the spans from position 0 up to it)
+        self.pending: OrderedDict[SpanKey, tuple[str, tuple[Span, ...], Tenant | str]] = OrderedDict()
         self.max_pending = max_pending
 
     def compile_pending(self, limit: int | None = None) -> int:
-        """Compile up to ``limit`` spans (all: None) that requests computed in context, position-free, so
-        later requests reuse them at any position. Returns how many were compiled."""
+        """Do up to ``limit`` (all: None) units of the work requests left: compile spans they computed
+        in context position-free (reused at any position later), and compute anchored spans in their
+        place as exact prefix links. Returns how many units were done."""
         done = 0
         while self.pending and (limit is None or done < limit):
-            key, (span, tenant) = self.pending.popitem(last=False)
+            key, (kind, spans, tenant) = self.pending.popitem(last=False)
             if key not in self.store:
-                self.compiled(span, (), tenant)
+                if kind == "alone":
+                    self.compiled(spans[0], (), tenant)
+                else:
+                    self.extend_prefix(spans, tenant)
             done += 1
         return done
+
+    def extend_prefix(self, spans: Sequence[Span], tenant: Tenant | str = "") -> int:
+        """Store ``spans``, laid in order from position 0, as exact prefix links: the links already
+        stored are reused, the rest computed in place. Returns the tokens computed."""
+        if not spans:
+            return 0
+        total = sum(len(s.token_ids) for s in spans)
+        cache = self.engine.new_cache(total)
+        chain: SpanKey | None = None
+        done = at = 0
+        for span in spans:
+            link = self._chain_key(span.token_ids, chain, tenant)
+            entry = self.store.get(link)
+            if entry is None:
+                break
+            write_span(self.engine, cache, entry, at, at, 0, self.rerotator)
+            chain, at, done = link, at + entry.num_tokens, done + 1
+        rest = spans[done:]
+        if not rest:
+            return 0
+        ids = [t for s in rest for t in s.token_ids]
+        self.engine.forward(cache, ids, positions=torch.arange(at, at + len(ids)), logits="none")
+        for span in rest:
+            chain = self._chain_key(span.token_ids, chain, tenant)
+            slots = torch.arange(at, at + len(span.token_ids))
+            self.store.put(cut_span(self.engine, cache, chain, span.token_ids, slots, self.rerotator))
+            at += len(span.token_ids)
+        return len(ids)
+
+    def _queue(self, key: SpanKey, kind: str, spans: tuple[Span, ...], tenant: Tenant | str) -> None:
+        self.pending[key] = (kind, spans, tenant)
+        self.pending.move_to_end(key)
+        while len(self.pending) > self.max_pending:
+            self.pending.popitem(last=False)
 
     def _chain_key(self, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
         """The key of a span computed in place right after the exact prefix ``prev`` names (vLLM's
@@ -199,8 +240,9 @@ class SpanCache:
             t0 = time.perf_counter()
             free = item.position is None and not item.depends_on and i not in provided
             entry, hit = None, False
-            if i in provided:
+            if i in provided:  # approximate KV (an agent branch's): nothing after it is exact
                 entry, hit = provided[i], True
+                exact_run = False
             elif free:
                 link = self._chain_key(item.span.token_ids, chain, plan.tenant) if exact_run else None
                 if link is not None:
@@ -213,10 +255,12 @@ class SpanCache:
                     if entry is None:
                         in_context[i] = link
                         if key != link:
-                            self.pending[key] = (item.span, plan.tenant)
-                            self.pending.move_to_end(key)
-                            while len(self.pending) > self.max_pending:
-                                self.pending.popitem(last=False)
+                            self._queue(key, "alone", (item.span,), plan.tenant)
+                    elif item.anchor and link is not None:
+                        # re-positioned now; its exact place is computed off the request path, so
+                        # later requests with this prefix reuse it exactly
+                        prefix = tuple(plan.items[j].span for j in range(i + 1))
+                        self._queue(link, "prefix", prefix, plan.tenant)
                 hit = entry is not None
                 chain = link
                 exact_run = exact_run and (i in exact or i in in_context)

@@ -14,7 +14,10 @@ Where skills go. The planner renders a request's skills at the end of its system
 canonical order (``contextkit.core.planner``): on the prompt path a popular skill set is one prefix that
 vLLM's prefix cache keeps; on the KV path each skill is a span whose KV ``compile`` put in the store once
 (any tier: a remote tier makes it a hit in every process sharing it), re-positioned into the request
-with its recompute policy. ``items`` gives the plan items of a skill for a plan built by hand, to splice
+with its recompute policy. At its canonical place (after a given system prompt) a skill is anchored: a
+request that finds no exact prefix link for it there re-positions it and leaves its place to be computed
+off the request path (``compile(skill, system=...)`` does that ahead of time), so later requests with
+that system prompt reuse it exactly, nothing recomputed. ``items`` gives the plan items of a skill for a plan built by hand, to splice
 it anywhere else (mid-conversation).
 
 Errata. ``edit`` changes a field of a skill (a version number, a tool name): while the edits are few and
@@ -36,7 +39,7 @@ from typing import Literal
 
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import PlanItem
-from contextkit.core.planner import Planner
+from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill, Span, skill_version
 
@@ -265,11 +268,21 @@ class SkillLibrary:
         """The skill's block of tokens (what every plan holding it carries)."""
         return self.planner.skill_tokens(skill)
 
-    def compile(self, skill: Skill, tenant: Tenant | str = "") -> bool:
-        """Compile the skill's KV into the span cache's store once; True if it was already there."""
+    def compile(self, skill: Skill, tenant: Tenant | str = "", system: str | None = None) -> bool:
+        """Compile the skill's KV into the span cache's store once; True if it was already there.
+
+        With ``system``, also compute it in its canonical place, after that system prompt, and keep it as
+        an exact prefix link: a request with that system prompt and this skill (alone, or first in the
+        canonical order) then reuses it exactly, with nothing recomputed. The position-free KV serves
+        every other place (another system prompt, mid-conversation) with the request's recompute policy.
+        """
         if self.spans is None:
             raise ConfigError("this library has no span cache: build it with SkillLibrary(kit.planner, kit.spans)")
         _, hit = self.spans.compiled(Span(self.tokens(skill), "skill", skill.name), tenant=tenant)
+        if system is not None:  # the system prompt and the skill, in place: exact prefix links
+            plan = self.planner.plan(ChatRequest.ask("?", skills=(skill,), system=system, tenant=Tenant.of(tenant)))
+            upto = next(i for i, it in enumerate(plan.items) if it.span.kind == "skill")
+            self.spans.extend_prefix([it.span for it in plan.items[: upto + 1]], tenant)
         return hit
 
     def items(self, skill: Skill) -> tuple[PlanItem, ...]:

@@ -13,6 +13,7 @@ the published reuse schemes are configurations of ``ReuseOptions``, not separate
 | prompt depend   | ``PlanItem(depends_on=(i, ...))``: compiled after those items, keyed by them     |
 | block alignment | ``block_size=B``: each span starts on a slot multiple of B (padding is masked)   |
 | separators      | ``separator=ids``: tokens between spans, always computed in the new context      |
+| vLLM APC        | automatic: leading spans stored as exact prefix links are reused exactly         |
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ class PlanItem:
         reuse: False for tokens that are always computed in the new context (the question).
         position: fixed logical position (Prompt Cache schemas); None = right after the previous item.
         depends_on: indices of earlier items this span's KV was computed after (prompt depend).
+        anchor: the span sits at one canonical place (a skill after the system prompt): when it
+            continues an exact prefix that has no link for it yet, it is re-positioned for this request
+            and computed in its place off the request path (``SpanCache.compile_pending``), so later
+            requests with that prefix reuse it exactly, nothing recomputed.
     """
 
     span: Span
     reuse: bool = True
     position: int | None = None
     depends_on: tuple[int, ...] = ()
+    anchor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +146,8 @@ class RequestPlan:
         for i, item in enumerate(self.items):
             if any(not 0 <= d < i for d in item.depends_on):
                 raise ConfigError(f"item {i} depends on {item.depends_on}; it may depend only on earlier items")
-            if item.depends_on and not item.reuse:
-                raise ConfigError(f"item {i} is computed in context anyway; depends_on applies to reused spans")
+            if (item.depends_on or item.anchor) and not item.reuse:
+                raise ConfigError(f"item {i} is computed in context anyway; depends_on and anchor apply to reused spans")
         if self.items[-1].reuse:
             raise ConfigError("the last item must be the query (reuse=False): its logits start the answer")
 

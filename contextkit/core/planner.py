@@ -255,8 +255,9 @@ class Planner:
         else:
             items = (
                 *((PlanItem(Span(head, "system")),) if head else ()),
+                # a skill sits at one canonical place: anchored, it becomes an exact prefix there
                 *(PlanItem(Span(b, "skill", (f"{s.name}@{s.version}" if s.version else s.name) + (":erratum" if e else "")),
-                           reuse=not e) for b, (_, s, e) in zip(pre, pre_items)),
+                           reuse=not e, anchor=not e) for b, (_, s, e) in zip(pre, pre_items)),
                 *((PlanItem(Span(pre[-1], "system")),) if middle else ()),
                 *(PlanItem(Span(b, "document", docs[i].id)) for b, i in zip(blocks, order)),
                 PlanItem(Span(tail, "query"), reuse=False),

@@ -320,3 +320,19 @@ def test_exact_prefix_links_are_per_tenant_and_follow_the_whole_prefix(smol):
     changed = (items[0], items[2], items[1], *items[3:])  # same documents, another order: no exact link
     r = cache.assemble(RequestPlan(changed, ReuseOptions(), tenant=Tenant("acme"))).report
     assert r.exact_tokens == len(items[0].span.token_ids) and r.misses == len(items) - 2
+
+
+def test_nothing_after_caller_provided_kv_becomes_an_exact_prefix(smol):
+    """KV a caller provides (an agent branch's) is approximate: a span computed in context after it is
+    not stored as a prefix link a later request could hit as exact."""
+    engine, tok, _, _, _, passages = smol
+    items = _plan_items(tok, passages[:2], "Who is named first?")
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    branch, _ = cache.compiled(items[1].span)
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)), provided={1: branch}).report
+    assert got.hits == 1 and got.misses == 2 and got.exact_tokens == 0  # system and the second document in context
+    system_link = cache._chain_key(items[0].span.token_ids, None, "")
+    assert system_link in cache.store  # the system prompt, first and computed in place, is exact
+    after = cache._chain_key(items[2].span.token_ids, cache._chain_key(items[1].span.token_ids, system_link, ""), "")
+    assert after not in cache.store
+    assert span_key(cache.identity, items[2].span.token_ids) in cache.pending  # compiled alone later instead
