@@ -4,14 +4,21 @@ Skills come from ``DIR`` (default ``../shared/data/skills``, any folder laid out
 body is cut at a line boundary to at most ``--set max_tokens=2048`` tokens and kept when it has at least
 ``--set min_tokens=1000`` (the band the target names: a ~2k-token skill plus a short task).
 
-Splice rows. Per skill, a task written for it (``TASKS``; a skill without one gets a task derived from
+Skill rows. Per skill, a task written for it (``TASKS``; a skill without one gets a task derived from
 its description), rendered by the planner: system prompt, the skill at the end of it, the task (~50
-tokens). The skill's KV is compiled once beforehand (``SkillLibrary.compile``, reported apart); per
-method, in the same run and in a rotating order, TTFT is the wall time of ``SpanCache.assemble`` (fetch,
-re-rotate, select, recompute, task prefill) to the first token's logits, ``full`` the plain prefill of the
-same tokens. Fidelity vs full prefill: next-token KL, first-token top-1 agreement, and
-``answer_agreement_f1`` (token F1 of the 32-token greedy answer against full prefill's). With
-``--set pairs=N``, N tasks that need two skills (adjacent skills of the band) are added.
+tokens). Each skill is compiled once beforehand (``SkillLibrary.compile(skill, system=SYSTEM)``,
+reported apart): position-free, and as an exact prefix link after ``SYSTEM``. Two placements per task:
+
+- canonical: after ``SYSTEM``, where the request reuses the link exactly (the default behaviour);
+- spliced: the same task under another system prompt (``SPLICE_SYSTEM``), so the skill's position-free
+  KV is re-positioned and recomputed per the row's policy: what splicing it anywhere costs.
+
+Per method, in the same run and in a rotating order, TTFT is the wall time of ``SpanCache.assemble``
+(fetch, re-rotate, select, recompute, task prefill) to the first token's logits; each placement's
+``full`` row is the plain prefill of its tokens. Fidelity vs that full prefill: next-token KL,
+first-token top-1 agreement, and ``answer_agreement_f1`` (token F1 of the 32-token greedy answer against
+full prefill's). With ``--set pairs=N``, N tasks that need two skills (adjacent skills of the band) are
+added; their second skill has no link after the first until a request computed it there (counted).
 
 Erratum rows. Per skill, a field of it (the most frequent backticked name or number, or a capitalised
 term) is edited. The edited skill recompiled (full prefill of the edited text) is the reference; the
@@ -22,8 +29,10 @@ the rest reused: what the published anchor says fails). A decision is which valu
 names (the new one, the old one, neither); ``erratum_agreement`` is the share of tasks where the
 erratum path decides as the recompiled skill does.
 
-Summary: ``speedup_vs_full``, ``top1_agreement``, ``kl_p50`` (default policy), ``answer_agreement_f1``,
-``erratum_agreement``, ``stale_agreement``, ``overwrite_agreement``.
+Summary: ``speedup_vs_full``, ``top1_agreement``, ``kl_p50``, ``answer_agreement_f1`` (the default at
+the canonical place), ``splice_speedup_vs_full``, ``splice_top1_agreement``, ``splice_kl_p50``,
+``splice_answer_agreement_f1`` (the default policy spliced), ``erratum_agreement``, ``stale_agreement``,
+``overwrite_agreement``.
 """
 
 from __future__ import annotations
@@ -76,14 +85,25 @@ TASKS = {
 }
 
 
-def methods() -> dict[str, ReuseOptions]:
+DEFAULT = "default, canonical place (exact prefix)"
+SPLICE_SYSTEM = "You are a coding agent. Use the skills below when they fit the task."
+SPLICE_FULL = "spliced: full"
+SPLICE_DEFAULT = f"spliced: default (r={ReuseOptions().ratio}, <={ReuseOptions().max_recompute})"
+
+
+def methods() -> dict[str, tuple[ReuseOptions, str]]:
+    """name -> (options, plan): "canonical" is the skill after the system prompt it was compiled for (an
+    exact prefix link); "spliced" is the same task under another system prompt, so the skill's
+    position-free KV is re-positioned and recomputed per the policy (each against its own full prefill)."""
+    d = ReuseOptions()
     return {
-        "full": ReuseOptions(policy="full"),
-        "reuse": ReuseOptions(policy="none", first_k=0),
-        "first_k k=8": ReuseOptions(policy="first_k", first_k=8),
-        "query_attention r=0.05": ReuseOptions(ratio=0.05),
-        "query_attention r=0.1 (default)": ReuseOptions(),
-        "query_attention r=0.3": ReuseOptions(ratio=0.3),
+        "full": (ReuseOptions(policy="full"), "canonical"),
+        DEFAULT: (d, "canonical"),
+        SPLICE_FULL: (ReuseOptions(policy="full"), "spliced"),
+        "spliced: reuse": (ReuseOptions(policy="none", first_k=0), "spliced"),
+        "spliced: first_k k=8": (ReuseOptions(policy="first_k", first_k=8), "spliced"),
+        "spliced: query_attention r=0.1": (ReuseOptions(ratio=0.1, max_recompute=None), "spliced"),
+        SPLICE_DEFAULT: (d, "spliced"),
     }
 
 
@@ -160,24 +180,31 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         compile_ms = []
         for s in band:
             t0 = time.perf_counter()
-            kit.skills.compile(s)
+            kit.skills.compile(s, system=SYSTEM)  # position-free, and an exact link after SYSTEM
             compile_ms.append((time.perf_counter() - t0) * 1e3)
         params = SamplingParams(max_new_tokens=decode)
         per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
         for qi, (skills, task) in enumerate(tasks):
-            plan = kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SYSTEM, max_new_tokens=decode))
+            plans = {
+                "canonical": kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SYSTEM, max_new_tokens=decode)),
+                "spliced": _unanchored(kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SPLICE_SYSTEM,
+                                                                        max_new_tokens=decode))),
+            }
             names = list(table)
             order = names[qi % len(names):] + names[: qi % len(names)]
             out = {}
             for name in order:
                 tick(f"{name} task {qi}")
+                opts, where = table[name]
+                plan = plans[where]
                 t0 = time.perf_counter()
-                asm = kit.spans.assemble(dataclasses.replace(plan, options=table[name]), extra_capacity=decode + 1)
+                asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=decode + 1)
                 ttft = (time.perf_counter() - t0) * 1e3
                 gen = _decode(kit, plan, asm, params)
                 out[name] = (asm.logits[0], gen.text, ttft, asm.report)
-            ref_logits, ref_text, _, _ = out["full"]
             for name, (logits, text, ttft, report) in out.items():
+                ref_logits, ref_text, _, _ = out["full" if table[name][1] == "canonical" else SPLICE_FULL]
+                plan = plans[table[name][1]]
                 m = per[name]
                 m.setdefault("ttft", []).append(ttft)
                 m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
@@ -191,12 +218,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     finally:
         kit.close()
 
-    full_ttft = median(per["full"]["ttft"])
-    dflt = "query_attention r=0.1 (default)"
+    full_ttft = {"canonical": median(per["full"]["ttft"]), "spliced": median(per[SPLICE_FULL]["ttft"])}
+    dflt = DEFAULT
     rows = [{
         "method": name, "tasks": len(m["ttft"]),
         "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
-        "speedup_vs_full": round(full_ttft / median(m["ttft"]), 2),
+        "speedup_vs_full": round(full_ttft[table[name][1]] / median(m["ttft"]), 2),
         "kl_p50": round(median(m["kl"]), 4), "kl_p90": round(percentile(m["kl"], 90), 4),
         "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3),
         "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
@@ -211,12 +238,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "kl_p50": by[dflt]["kl_p50"], "answer_agreement_f1": by[dflt]["answer_agreement_f1"],
         "speedup_vs_full_one_skill": round(median([per["full"]["ttft"][i] for i in single])
                                            / median([per[dflt]["ttft"][i] for i in single]), 2),
+        "splice_speedup_vs_full": by[SPLICE_DEFAULT]["speedup_vs_full"],
+        "splice_top1_agreement": by[SPLICE_DEFAULT]["top1_agreement"], "splice_kl_p50": by[SPLICE_DEFAULT]["kl_p50"],
+        "splice_answer_agreement_f1": by[SPLICE_DEFAULT]["answer_agreement_f1"],
         "full_ttft_ms_p50": by["full"]["ttft_ms_p50"], "compile_ms_p50_per_skill": round(median(compile_ms), 1),
         **{k: v for k, v in erratum.items() if k != "rows"},
     }
-    config = {"model": ctx.config.model, "skills_dir": str(folder), "min_tokens": min_tokens,
+    config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "splice_system": SPLICE_SYSTEM,
+              "skills_dir": str(folder), "min_tokens": min_tokens,
               "max_tokens": max_tokens, "decode_tokens": decode, "pairs": pairs, "system": SYSTEM}
     return BenchResult("skills", config, rows, summary)
+
+
+def _unanchored(plan: RequestPlan) -> RequestPlan:
+    """The plan with its skills not anchored: spliced from their position-free KV wherever they are."""
+    return dataclasses.replace(plan, items=tuple(dataclasses.replace(it, anchor=False) for it in plan.items))
 
 
 def _decode(kit, plan: RequestPlan, asm, params: SamplingParams):

@@ -36,11 +36,14 @@ SYNTH = ("You combine the notes of three research workers into one answer.\nQues
 TAIL = "\n\nAnswer the question in a few words, from the notes.\nAnswer:"
 
 
+DEFAULT = f"kv default (query_attention r={ReuseOptions().ratio}, <={ReuseOptions().max_recompute})"
+
+
 def methods() -> dict[str, ReuseOptions]:
     return {
         "kv reuse": ReuseOptions(policy="none", first_k=0),
-        "kv query_attention r=0.1 (default)": ReuseOptions(),
-        "kv query_attention r=0.3": ReuseOptions(ratio=0.3),
+        "kv query_attention r=0.1": ReuseOptions(ratio=0.1, max_recompute=None),
+        DEFAULT: ReuseOptions(),
     }
 
 
@@ -52,7 +55,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     answer_tokens = ctx.option("answer_tokens", 24, int)
     records = sample(load_records(ctx.data), ctx.count(24), ctx.seed)
     table = methods()
-    dflt = "kv query_attention r=0.1 (default)"
+    dflt = DEFAULT
     kit = ContextKit(ctx.config)
     tok, spans = kit.tokenizer, kit.spans
     per: dict[str, dict[str, list[float]]] = {m: {} for m in ("text", *table)}
@@ -116,7 +119,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "text_ttft_ms_p50": by["text"]["ttft_ms_p50"], "workers_ms_p50": round(median(worker_ms), 1),
         "note_tokens_p50": median(note_len),
     }
-    config = {"model": ctx.config.model, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
+    config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
               "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens}
     return BenchResult("synthesis", config, rows, summary)
 
