@@ -51,7 +51,7 @@ services-deps:
 bench: venv
 	$(BIN)/contextkit bench engine --n 3 --json $(BENCH)/engine.json --plot $(BENCH)/engine.png
 	$(BIN)/contextkit bench rope --n 3 --json $(BENCH)/rope.json --plot $(BENCH)/rope.png
-	$(BIN)/contextkit bench spans --n 50 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
+	$(BIN)/contextkit bench spans --n 40 --set long_n=16 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
 	$(BIN)/contextkit bench store --n 20 --json $(BENCH)/store.json --plot $(BENCH)/store.png
 	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
 	$(BIN)/contextkit bench proxy --n 100 --trace $(BENCH)/ordering-trace.jsonl --set soak_s=300 --json $(BENCH)/proxy.json --plot $(BENCH)/proxy.png
@@ -60,6 +60,7 @@ bench: venv
 	$(BIN)/contextkit bench synthesis --n 24 --json $(BENCH)/synthesis.json
 	$(BIN)/contextkit bench pipelines --n 40 --json $(BENCH)/pipelines.json
 	$(BIN)/contextkit bench connector --n 40 --json $(BENCH)/connector.json
+	$(BIN)/contextkit bench trace --trace $(BENCH)/ordering-trace.jsonl --n 96 --json $(BENCH)/trace.json
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs
