@@ -45,6 +45,11 @@ class Engine:
         self.weights = weights
         self.dtype = dtype
         self.fingerprint = fingerprint
+        # Logits in float32 for a bf16/fp16 engine: a half-precision output projection rounds logits of
+        # ~20 to steps of 0.125, so near-ties of the next token become exact ties that two numerically
+        # different paths (span reuse vs prefill) break differently. Costs a float32 copy of the head
+        # (SmolLM2: 113 MB) and ~1.4 ms per decoded token here.
+        self._head32 = weights.lm_head.float() if dtype != torch.float32 else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32") -> Engine:
@@ -144,7 +149,9 @@ class Engine:
         if stop_after is not None or (keep is not None and keep.numel() == 0):
             return None
         w = self.weights
-        return F.linear(w.final_norm(x), w.lm_head).float()
+        if self._head32 is not None:
+            return F.linear(w.final_norm(x.float()), self._head32)
+        return F.linear(w.final_norm(x), w.lm_head)
 
     @staticmethod
     def _place(

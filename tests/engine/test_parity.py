@@ -151,3 +151,17 @@ def test_selected_logits_equal_rows_of_all(family, name):
     assert engine.forward(cache, ids[:250], logits="none") is None
     chunk = engine.forward(cache, ids[250:], logits=torch.tensor([3, m - 251]))
     assert (chunk - full[[253, m - 1]]).abs().max().item() <= TOL
+
+
+def test_a_bf16_engine_gives_float32_logits_close_to_the_float32_engine(smol_dir):
+    """The output projection of a bf16 engine runs in float32: logits are not rounded to bf16 steps
+    (ties of the next token would then be broken by rounding), and stay close to the fp32 engine's."""
+    ids = list(range(1000, 1300))
+    got = Engine.from_dir(smol_dir, "bfloat16")
+    want = Engine.from_dir(smol_dir, "float32")
+    a = got.forward(got.new_cache(len(ids)), ids)
+    b = want.forward(want.new_cache(len(ids)), ids)
+    assert a.dtype == torch.float32
+    assert (a - a.bfloat16().float()).abs().max() > 0  # finer than bf16 steps
+    p, q = b.log_softmax(-1), a.log_softmax(-1)
+    assert float((p.exp() * (p - q)).sum()) < 0.02 and int(a.argmax()) == int(b.argmax())

@@ -135,36 +135,43 @@ def test_errata_until_the_rule_says_recompile(planner):
         lib.edit("resize", "no such field", "x")
 
 
-@pytest.mark.slow
-def test_spliced_skill_kv_is_compiled_once_and_exact_at_r1(config, skills_dir):
+@pytest.fixture
+def fresh_kit(config, skills_dir):
+    """A kit with an empty span cache and the shared skills registered in its library."""
     with ContextKit(config) as kit:
         lib = SkillLibrary(kit.planner, kit.spans)
         lib.register(skills_dir)
-        skill = lib.get("brand-guidelines")
-        assert lib.compile(skill) is False and lib.compile(skill) is True  # once
-        req = ChatRequest.ask("Which colors should a slide use?", skills=(skill,), system="Answer briefly.",
-                              reuse=ReuseOptions(ratio=1.0, max_recompute=None))
-        plan = kit.planner.plan(req)
-        full = kit.spans.assemble(RequestPlan(plan.items, ReuseOptions(policy="full")))
-        got = kit.spans.assemble(plan)  # first time at its canonical place: re-positioned, recomputed
-        assert got.report.hits >= 1 and got.report.compiled_tokens <= len(plan.items[0].span.token_ids)
-        assert (got.logits - full.logits).abs().max().item() <= TOL
-        assert kit.spans.compile_pending() >= 1  # its place computed off the request path (anchored) ...
-        again = kit.spans.assemble(plan)  # ... and from then on an exact prefix: nothing recomputed
-        assert again.report.exact_tokens >= len(lib.tokens(skill)) and again.report.recomputed_tokens == 0
-        assert (again.logits - full.logits).abs().max().item() <= TOL
-        other = kit.planner.plan(dataclasses.replace(req, messages=(Message("system", "Be terse."), req.messages[-1])))
-        moved = kit.spans.assemble(other)  # another system prompt: the position-free KV, re-positioned
-        assert moved.report.hits >= 1 and moved.report.rerotated_tokens >= len(lib.tokens(skill))
-        cheap = kit.spans.assemble(RequestPlan(plan.items, ReuseOptions(policy="none", first_k=0)))
-        assert cheap.report.recomputed_tokens == 0 and cheap.report.reused_tokens >= len(lib.tokens(skill))
-        # mid-conversation: the skill's items spliced into a hand-made plan after a document
-        doc = kit.planner.plan(ChatRequest.ask("Q?", [Evidence("A memo about the launch.")]))
-        items = (*doc.items[:-1], *lib.items(skill), doc.items[-1])
-        mid = kit.spans.assemble(RequestPlan(items, ReuseOptions(ratio=1.0, max_recompute=None)))
-        ref = kit.spans.assemble(RequestPlan(items, ReuseOptions(policy="full")))
-        assert (mid.logits - ref.logits).abs().max().item() <= TOL
-        assert torch.isfinite(mid.logits).all()
+        yield kit, lib
+
+
+@pytest.mark.slow
+def test_spliced_skill_kv_is_compiled_once_and_exact_at_r1(fresh_kit):
+    kit, lib = fresh_kit
+    skill = lib.get("brand-guidelines")
+    assert lib.compile(skill) is False and lib.compile(skill) is True  # once
+    req = ChatRequest.ask("Which colors should a slide use?", skills=(skill,), system="Answer briefly.",
+                          reuse=ReuseOptions(ratio=1.0, max_recompute=None))
+    plan = kit.planner.plan(req)
+    full = kit.spans.assemble(RequestPlan(plan.items, ReuseOptions(policy="full")))
+    got = kit.spans.assemble(plan)  # first time at its canonical place: re-positioned, recomputed
+    assert got.report.hits >= 1 and got.report.compiled_tokens <= len(plan.items[0].span.token_ids)
+    assert (got.logits - full.logits).abs().max().item() <= TOL
+    assert kit.spans.compile_pending() >= 1  # its place computed off the request path (anchored) ...
+    again = kit.spans.assemble(plan)  # ... and from then on an exact prefix: nothing recomputed
+    assert again.report.exact_tokens >= len(lib.tokens(skill)) and again.report.recomputed_tokens == 0
+    assert (again.logits - full.logits).abs().max().item() <= TOL
+    other = kit.planner.plan(dataclasses.replace(req, messages=(Message("system", "Be terse."), req.messages[-1])))
+    moved = kit.spans.assemble(other)  # another system prompt: the position-free KV, re-positioned
+    assert moved.report.hits >= 1 and moved.report.rerotated_tokens >= len(lib.tokens(skill))
+    cheap = kit.spans.assemble(RequestPlan(plan.items, ReuseOptions(policy="none", first_k=0)))
+    assert cheap.report.recomputed_tokens == 0 and cheap.report.reused_tokens >= len(lib.tokens(skill))
+    # mid-conversation: the skill's items spliced into a hand-made plan after a document
+    doc = kit.planner.plan(ChatRequest.ask("Q?", [Evidence("A memo about the launch.")]))
+    items = (*doc.items[:-1], *lib.items(skill), doc.items[-1])
+    mid = kit.spans.assemble(RequestPlan(items, ReuseOptions(ratio=1.0, max_recompute=None)))
+    ref = kit.spans.assemble(RequestPlan(items, ReuseOptions(policy="full")))
+    assert (mid.logits - ref.logits).abs().max().item() <= TOL
+    assert torch.isfinite(mid.logits).all()
 
 
 @pytest.mark.slow
@@ -178,14 +185,12 @@ def test_a_library_for_another_model_is_refused(config, gemma_dir, smol_dir):
 
 
 @pytest.mark.slow
-def test_a_skill_compiled_for_its_system_prompt_is_an_exact_prefix_at_once(config, skills_dir):
-    with ContextKit(config) as kit:
-        lib = SkillLibrary(kit.planner, kit.spans)
-        lib.register(skills_dir)
-        skill = lib.get("brand-guidelines")
-        lib.compile(skill, system="Answer briefly.")
-        plan = kit.planner.plan(ChatRequest.ask("Which fonts?", skills=(skill,), system="Answer briefly.",
-                                                reuse=ReuseOptions()))
-        got = kit.spans.assemble(plan).report
-        assert got.misses == 0 and got.recomputed_tokens == 0
-        assert got.exact_tokens == sum(len(it.span.token_ids) for it in plan.items if it.reuse)
+def test_a_skill_compiled_for_its_system_prompt_is_an_exact_prefix_at_once(fresh_kit):
+    kit, lib = fresh_kit
+    skill = lib.get("brand-guidelines")
+    lib.compile(skill, system="Answer briefly.")
+    plan = kit.planner.plan(ChatRequest.ask("Which fonts?", skills=(skill,), system="Answer briefly.",
+                                            reuse=ReuseOptions()))
+    got = kit.spans.assemble(plan).report
+    assert got.misses == 0 and got.recomputed_tokens == 0
+    assert got.exact_tokens == sum(len(it.span.token_ids) for it in plan.items if it.reuse)
