@@ -80,6 +80,11 @@ class SpanCache:
         # the spans from position 0 up to it)
         self.pending: OrderedDict[SpanKey, tuple[str, tuple[Span, ...], Tenant | str]] = OrderedDict()
         self.max_pending = max_pending
+        # position-free key -> the prefix link a request stored for the same tokens (same tenant): KV
+        # computed in another request's context, reused re-positioned (per policy) until the
+        # position-free compile lands, so a span seen once is a hit in any order from the next request
+        # on, however busy the engine is (DEVELOPERS.md, "borrowed KV")
+        self.borrowed: OrderedDict[SpanKey, SpanKey] = OrderedDict()
 
     def compile_pending(self, limit: int | None = None) -> int:
         """Do up to ``limit`` (all: None) units of the work requests left: compile spans they computed
@@ -129,6 +134,13 @@ class SpanCache:
         self.pending.move_to_end(key)
         while len(self.pending) > self.max_pending:
             self.pending.popitem(last=False)
+
+    def _borrow(self, key: SpanKey, link: SpanKey) -> None:
+        if key != link:
+            self.borrowed[key] = link
+            self.borrowed.move_to_end(key)
+            while len(self.borrowed) > self.max_pending:
+                self.borrowed.popitem(last=False)
 
     def _chain_key(self, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
         """The key of a span computed in place right after the exact prefix ``prev`` names (vLLM's
@@ -252,6 +264,8 @@ class SpanCache:
                 else:
                     key = span_key(self.identity, item.span.token_ids, (), plan.tenant)
                     entry = self.store.get(key) if key != link else None
+                    if entry is None and key in self.borrowed:  # until its position-free compile lands
+                        entry = self.store.get(self.borrowed[key])
                     if entry is None:
                         in_context[i] = link
                         if key != link:
@@ -321,6 +335,7 @@ class SpanCache:
             if link is not None:
                 slots = layout.item_slots[i]
                 self.store.put(cut_span(engine, cache, link, plan.items[i].span.token_ids, slots, self.rerotator))
+                self._borrow(span_key(self.identity, plan.items[i].span.token_ids, (), plan.tenant), link)
 
         reused_total = sum(len(p.ids) for p, i in zip(placed, owner) if p.reuse and i not in in_context)
         from_hits = torch.cat([layout.item_slots[i] for i in hit_items]) if hit_items else recompute[:0]

@@ -305,9 +305,16 @@ def test_a_span_with_no_kv_is_computed_in_context_and_kept_as_an_exact_prefix(sm
     assert (again.logits - full.logits).abs().max().item() <= TOL
     assert cache.compile_pending() == len(items) - 2 and not cache.pending
     swapped = (items[0], items[2], items[1], *items[3:])
-    moved = cache.assemble(RequestPlan(swapped, ReuseOptions(policy="none", first_k=0))).report
+    moved_asm = cache.assemble(RequestPlan(swapped, ReuseOptions(policy="none", first_k=0)))
+    moved = moved_asm.report
     assert moved.hits == len(items) - 1 and moved.exact_tokens == len(items[0].span.token_ids)
     assert moved.reused_tokens == moved.context_tokens - len(items[-1].span.token_ids) and n_docs > 0
+    # once compiled position-free, that KV is what is reused, not the KV borrowed from the first request
+    alone = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    for it in items[:-1]:
+        alone.compiled(it.span)
+    ref = alone.assemble(RequestPlan(swapped, ReuseOptions(policy="none", first_k=0)))
+    assert (moved_asm.logits - ref.logits).abs().max().item() <= TOL
 
 
 def test_exact_prefix_links_are_per_tenant_and_follow_the_whole_prefix(smol):
@@ -317,9 +324,12 @@ def test_exact_prefix_links_are_per_tenant_and_follow_the_whole_prefix(smol):
     cache.assemble(RequestPlan(items, ReuseOptions(), tenant=Tenant("acme")))
     other = cache.assemble(RequestPlan(items, ReuseOptions(), tenant=Tenant("globex"))).report
     assert other.hits == 0 and other.exact_tokens == 0  # another tenant's prefix is not ours
-    changed = (items[0], items[2], items[1], *items[3:])  # same documents, another order: no exact link
+    changed = (items[0], items[2], items[1], *items[3:])  # same documents, another order: no exact link,
     r = cache.assemble(RequestPlan(changed, ReuseOptions(), tenant=Tenant("acme"))).report
-    assert r.exact_tokens == len(items[0].span.token_ids) and r.misses == len(items) - 2
+    assert r.exact_tokens == len(items[0].span.token_ids)
+    # ... but the documents' KV from the first order is reused, re-positioned, before any compile ran
+    assert r.hits == len(items) - 1 and r.misses == 0 and r.compiled_tokens == 0 and r.cached_tokens > 0
+    assert len(cache.pending) == 2 * (len(items) - 2)  # both tenants' position-free compiles are to come
 
 
 def test_nothing_after_caller_provided_kv_becomes_an_exact_prefix(smol):
