@@ -327,7 +327,7 @@ def serve_cmd(
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
     rate_limit: Annotated[str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body is read. 0: no limit.")] = "10/20",
-    compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: only exact prefixes are reused for them.")] = True,
+    compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: they are reused exactly after the same prefix and otherwise from the KV their first request computed.")] = True,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     import dataclasses

@@ -54,7 +54,8 @@ class ServeLimits:
         rate: requests per second per tenant, checked before the body is read (429 past it).
         compile_idle: compile documents that requests computed in context (no KV yet) into position-free
             spans while the engine is idle, one span per idle turn, so later requests reuse them at any
-            position; off: only exact prefixes are reused for them (and spans compiled ahead of time).
+            position; off: they are reused exactly after the same prefix, and elsewhere from the KV
+            their first request computed (``SpanCache.borrowed``).
     """
 
     max_queue: int = 32

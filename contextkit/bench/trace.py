@@ -9,10 +9,11 @@ else the bench starts one), against:
    the planner renders in retrieval order, as a framework without contextkit sends them.
 2. ``proxy + vllm (weaver)``: the same server behind ``contextkit proxy`` (chat with ``documents``; the
    proxy orders them for vLLM's prefix cache). vLLM's prefix cache is emptied before each arm.
-3. ``serve, exact prefix only (--no-compile-idle)``: ``contextkit serve`` on the built-in engine
-   (``--dtype``, "auto" = bf16 on this kind of CPU) that reuses only exact prefixes (a document with no KV
-   is computed in its request's context and kept as a prefix link, never compiled position-free).
-4. ``serve, span reuse (default)``: a fresh server as it starts by default: exact prefixes, then documents
+3. ``serve, no idle compile (--no-compile-idle)``: ``contextkit serve`` on the built-in engine
+   (``--dtype``, "auto" = bf16 on this kind of CPU) that compiles nothing position-free: a document with
+   no KV is computed in its request's context and kept as a prefix link, reused exactly after the same
+   prefix and borrowed (re-positioned, selectively recomputed) in any other order.
+4. ``serve, span reuse (default)``: a fresh server as it starts by default: as 3., and documents
    compiled position-free while its engine is idle, reused at any position with the default
    ``ReuseOptions`` (selective recomputation). Its span cache starts empty.
 5. ``serve, full prefill``: the same server, ``contextkit.reuse = {"policy": "full"}``.
@@ -26,7 +27,7 @@ Summary: ``trace_ttft_vs_vllm_proxy`` (serve with reuse p50 / proxy + vLLM p50; 
 least as fast), ``serve_ttft_ms_p50``, ``serve_full_ttft_ms_p50``, ``proxy_ttft_ms_p50``,
 ``vllm_direct_ttft_ms_p50``, ``serve_answer_agreement_f1``, ``proxy_answer_agreement_f1``,
 ``serve_exact_share`` / ``serve_reused_share`` (prompt tokens reused from an exact prefix / reused at all),
-``serve_prefix_only_ttft_ms_p50`` (a server that compiles nothing position-free: exact prefixes only).
+``serve_no_idle_compile_ttft_ms_p50`` (arm 3; ``--set no_idle_arm=0`` skips it).
 """
 
 from __future__ import annotations
@@ -141,12 +142,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 server.stop()
         serve_args = ["serve", "--model", ctx.config.model, "--dtype", ctx.config.dtype, "--allow-client-tenant",
                       "--rate-limit", "0"]
-        if ctx.option("prefix_only", 1, int):  # a fresh server: its span cache starts empty again
+        if ctx.option("no_idle_arm", 1, int):  # a fresh server: its span cache starts empty again
             serve, surl = _server("contextkit serve", [*serve_args, "--no-compile-idle"], ctx, "bench-trace-serve.log")
             try:
-                arm = out["serve, exact prefix only (--no-compile-idle)"] = []
+                arm = out["serve, no idle compile (--no-compile-idle)"] = []
                 for req in requests:
-                    tick("serve, prefix only")
+                    tick("serve, no idle compile")
                     arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
             finally:
                 serve.stop(30)
@@ -168,7 +169,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 
     baseline = {"proxy + vllm (weaver)": "vllm direct (retrieval order)",
                 "serve, span reuse (default)": "serve, full prefill",
-                "serve, exact prefix only (--no-compile-idle)": "serve, full prefill"}
+                "serve, no idle compile (--no-compile-idle)": "serve, full prefill"}
     rows = []
     for name, arm in out.items():
         ttft = [x["ttft"] for x in arm]
@@ -199,7 +200,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "serve_answer_agreement_f1": serve.get("answer_agreement_f1"),
         "proxy_answer_agreement_f1": proxy_row.get("answer_agreement_f1"),
         "serve_exact_share": serve.get("exact_share"), "serve_reused_share": serve.get("reused_share"),
-        "serve_prefix_only_ttft_ms_p50": by.get("serve, exact prefix only (--no-compile-idle)", {}).get("ttft_ms_p50"),
+        "serve_no_idle_compile_ttft_ms_p50": by.get("serve, no idle compile (--no-compile-idle)", {}).get("ttft_ms_p50"),
     }
     config = {"max_tokens": max_tokens, "block_size": block, "trace": ctx.option("trace", None) or "generated",
               "serve_dtype": ctx.config.dtype, "vllm_dtype": "bfloat16", "sequential": True, "streaming": True}
