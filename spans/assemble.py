@@ -43,6 +43,14 @@ class Assembly:
     report: ReuseReport
 
 
+def _put_newest(table: OrderedDict, key, value, limit: int) -> None:
+    """Set ``table[key]`` as its newest entry, dropping the oldest past ``limit``."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
+
+
 @dataclass(frozen=True, slots=True)
 class _Placed:
     slot: int
@@ -130,17 +138,11 @@ class SpanCache:
         return len(ids)
 
     def _queue(self, key: SpanKey, kind: str, spans: tuple[Span, ...], tenant: Tenant | str) -> None:
-        self.pending[key] = (kind, spans, tenant)
-        self.pending.move_to_end(key)
-        while len(self.pending) > self.max_pending:
-            self.pending.popitem(last=False)
+        _put_newest(self.pending, key, (kind, spans, tenant), self.max_pending)
 
     def _borrow(self, key: SpanKey, link: SpanKey) -> None:
         if key != link:
-            self.borrowed[key] = link
-            self.borrowed.move_to_end(key)
-            while len(self.borrowed) > self.max_pending:
-                self.borrowed.popitem(last=False)
+            _put_newest(self.borrowed, key, link, self.max_pending)
 
     def _chain_key(self, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
         """The key of a span computed in place right after the exact prefix ``prev`` names (vLLM's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -81,11 +82,8 @@ def compile_span(
         write_span(engine, cache, dep, at, at, i, rerotator)
         at += dep.num_tokens
     engine.forward(cache, list(span.token_ids), positions=torch.arange(offset, offset + n), logits="none")
-    k = cache.k[:, :, offset:].contiguous()
-    if offset:
-        rotate_layers(engine, k, -offset, k, rerotator)  # store as if the span started at position 0
-    v = cache.v[:, :, offset:].contiguous()
-    return CompiledSpan(key, tuple(span.token_ids), k, v, (time.perf_counter() - t0) * 1e3)
+    entry = cut_span(engine, cache, key, span.token_ids, torch.arange(offset, offset + n), rerotator)
+    return dataclasses.replace(entry, compile_ms=(time.perf_counter() - t0) * 1e3)
 
 
 def cut_span(
