@@ -128,16 +128,20 @@ class FairScheduler:
         waiting: dict[Tenant, deque[Job]] = {}  # not started
         active: dict[Tenant, deque[Job]] = {}  # started: holding KV
         n_active = 0
+
+        def quiet() -> bool:  # nothing to run and not closing (read under self._cv)
+            return not self._inbox and not waiting and not active and not self._closed
+
         while True:
             if self.idle is not None:
                 with self._cv:
-                    if not self._inbox and not waiting and not active and not self._closed:
+                    if quiet():
                         self._cv.wait(self.idle_after_s)  # a request arriving meanwhile goes first
-                    free = not self._inbox and not waiting and not active and not self._closed
+                    free = quiet()
                 if free and self.idle():
                     continue  # a unit of background work done: look for jobs again before the next one
             with self._cv:
-                while not self._inbox and not waiting and not active and not self._closed:
+                while quiet():
                     self._cv.wait()
                 if self._closed:
                     for job in [*self._inbox, *(j for q in (*waiting.values(), *active.values()) for j in q)]:
