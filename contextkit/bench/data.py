@@ -106,18 +106,20 @@ def with_distractors(
     """
     rng = random.Random(f"{seed}:{record.id}")
     passages = [Evidence(text=p.text, title=p.title, id=f"q{i}") for i, p in enumerate(record.passages)]
-    if tokens(passages) > hi:
+    length = tokens(passages)  # each call renders a whole prompt: keep the current one's length
+    if length > hi:
         return None
     others = [Evidence(text=p.text, title=p.title, id=f"d{j}")
               for j, p in enumerate(p for r in pool if r.id != record.id for p in r.passages)]
     rng.shuffle(others)
     for p in others:
-        if tokens(passages) >= lo:
+        if length >= lo:
             break
         trial = passages + [p]
-        if tokens(trial) <= hi:
-            passages = trial
-    if tokens(passages) < lo:
+        trial_length = tokens(trial)
+        if trial_length <= hi:
+            passages, length = trial, trial_length
+    if length < lo:
         return None
     rng.shuffle(passages)
     return tuple(Evidence(text=p.text, title=p.title, id=str(i)) for i, p in enumerate(passages))
