@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 def test_bench_trace_small_run(tmp_path, vllm_url, cli, trace_requests):
     trace, out = tmp_path / "trace.jsonl", tmp_path / "trace.json"
-    write_trace(trace_requests(2), trace)  # per item: its passages, then the same set in another order
+    requests = trace_requests(2)
+    write_trace(requests, trace)  # per item: its passages, then the same set in another order
     proc = cli("bench", "trace", "--upstream", vllm_url, "--trace", str(trace), "--json", str(out),
                "--set", "max_tokens=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,8 +25,14 @@ def test_bench_trace_small_run(tmp_path, vllm_url, cli, trace_requests):
     assert all(r["requests"] == 4 and r["ttft_ms_p50"] > 0 for r in rows.values())
     prefix = rows["serve, no idle compile (--no-compile-idle)"]
     # serve orders a document set as it served it before, so the second request of each item reuses
-    # the system prompt and its documents as an exact prefix, with nothing compiled position-free
-    assert 0 < prefix["exact_share"] == prefix["reused_share"]
+    # the system prompt and its documents as an exact prefix, with nothing compiled position-free; where
+    # items share documents (the bundled example, rotated per item, in a clone without the shared data),
+    # a later item reuses them from the KV an earlier one computed, re-positioned: more than exact
+    items = [{d.text for d in r.documents} for r in requests[::2]]
+    if any(a & b for i, a in enumerate(items) for b in items[i + 1:]):
+        assert 0 < prefix["exact_share"] < prefix["reused_share"]
+    else:
+        assert 0 < prefix["exact_share"] == prefix["reused_share"]
     reuse = rows["serve, span reuse (default)"]
     assert reuse["reused_share"] >= reuse["exact_share"] > 0
     s = result["summary"]
