@@ -103,11 +103,16 @@ def test_bench_skills_small_run(tmp_path, smol_dir, shared_data, cli):
     result = json.loads(out.read_text())
     s = result["summary"]
     for key in ("speedup_vs_full", "top1_agreement", "kl_p50", "answer_agreement_f1", "erratum_agreement",
-                "stale_agreement", "overwrite_agreement"):
+                "stale_agreement", "overwrite_agreement", "erratum_agreement_by_edits", "field_attention_share_p50"):
         assert key in s, key
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["full"]["kl_p50"] == 0 and rows["full"]["top1_agreement"] == 1 and rows["full"]["tasks"] == 3
     assert sum(r["default"] for r in result["rows"]) == 2  # the default policy and the default edit path
+    # every erratum task is decided (a forced choice) and counted once per edit path
+    tasks = s["erratum_tasks"]
+    assert tasks and all(isinstance(t["erratum"], bool) and 0 < t["edit_share"] < 1 for t in tasks)
+    assert rows["erratum: erratum, 1 edit(s)"]["tasks"] == sum(t["edits"] == 1 for t in tasks)
+    assert 0 <= s["field_attention_share_p50"] < 1
     proc = cli("bench", "skills", "--set", "min_tokens=90000", "--set", f"skills={tmp_path}")
     assert proc.returncode == 2 and "SKILL.md" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -118,7 +123,13 @@ def test_bench_synthesis_small_run(tmp_path, smol_dir, cli):
                "--set", "answer_tokens=4")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1"):
+    for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1", "transcripts_ttft_speedup_vs_text"):
         assert key in result["summary"], key
-    rows = {r["method"]: r for r in result["rows"]}
-    assert rows["text"]["answer_agreement_f1"] == 1.0 and rows["text"]["top1_agreement"] == 1.0
+    rows = {(r["read"], r["method"]): r for r in result["rows"]}
+    for read in ("notes", "transcripts"):
+        assert rows[(read, "text")]["answer_agreement_f1"] == 1.0 and rows[(read, "text")]["top1_agreement"] == 1.0
+    # a transcript holds the worker's passages and its note: a longer context than the note alone
+    assert rows[("transcripts", "text")]["context_tokens_p50"] > rows[("notes", "text")]["context_tokens_p50"]
+    assert sum(r["default"] for r in result["rows"]) == 1
+    proc = cli("bench", "synthesis", "--n", "1", "--set", "read=everything")
+    assert proc.returncode == 2 and "read=" in proc.stderr and "Traceback" not in proc.stderr

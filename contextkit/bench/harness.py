@@ -42,6 +42,7 @@ BENCHES = {
     "pipelines": "contextkit.bench.pipelines",
     "connector": "contextkit.bench.connector",
     "trace": "contextkit.bench.trace",
+    "skillcache": "contextkit.bench.skillcache",
 }
 
 
@@ -145,7 +146,8 @@ def print_table(result: BenchResult, console: Console) -> None:
     for row in result.rows:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console.print(table)
-    console.print({k: v for k, v in result.summary.items()})
+    # long per-item lists (e.g. every erratum task) are for the JSON, not the screen
+    console.print({k: v for k, v in result.summary.items() if not (isinstance(v, list) and len(v) > 8)})
     used = [f"{result.summary[k]} {k}" for k in USED if k in result.summary]
     if used:
         console.print(f"bench {result.bench} used {', '.join(used)}", highlight=False)

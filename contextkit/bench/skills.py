@@ -20,42 +20,33 @@ first-token top-1 agreement, and ``answer_agreement_f1`` (token F1 of the 32-tok
 full prefill's). With ``--set pairs=N``, N tasks that need two skills (adjacent skills of the band) are
 added; their second skill has no link after the first until a request computed it there (counted).
 
-Erratum rows. Per skill, a field of it (the most frequent backticked name or number, or a capitalised
-term) is edited. The edited skill recompiled (full prefill of the edited text) is the reference; the
-question asks for the field by quoting its line with the field blanked. Compared: the stale skill
-(no correction), the original skill's KV plus an appended erratum (the library's default for a small
-edit), and the field's KV overwritten in place (the edited tokens recomputed where the old ones were,
-the rest reused: what the published anchor says fails). A decision is which value the greedy answer
-names (the new one, the old one, neither); ``erratum_agreement`` is the share of tasks where the
-erratum path decides as the recompiled skill does.
+Erratum rows (``contextkit.bench.errata``): per skill, 1, 2 or 4 fields edited (``--set
+errata_counts=1,2,4``); the recompiled edited skill is the reference; the stale skill, the original's KV
+plus appended errata (the library's default for small edits) and the fields' KV overwritten in place are
+compared by a forced choice between the new and the old value; ``erratum_agreement`` is the share of
+single-edit tasks where the erratum path decides as the recompiled skill does.
 
 Summary: ``speedup_vs_full``, ``top1_agreement``, ``kl_p50``, ``answer_agreement_f1`` (the default at
 the canonical place), ``splice_speedup_vs_full``, ``splice_top1_agreement``, ``splice_kl_p50``,
 ``splice_answer_agreement_f1`` (the default policy spliced), ``erratum_agreement``, ``stale_agreement``,
-``overwrite_agreement``.
+``overwrite_agreement`` (single edits), ``erratum_agreement_by_edits``, ``erratum_agreement_heldout``,
+``field_attention_share_p50`` (the answer's attention on the edited field's own tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
-from collections import Counter
 from pathlib import Path
 
-import torch
-
+from contextkit.bench.errata import run_errata
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.planner import ChatRequest
-from contextkit.core.tenant import Tenant
-from contextkit.core.types import Skill, Span
-from contextkit.spans.compile import rotate_layers
-from contextkit.spans.key import span_key
-from contextkit.spans.store import CompiledSpan
+from contextkit.core.types import Skill
 
 SHARED_SKILLS = Path("../shared/data/skills")
 SYSTEM = "You are a careful coding agent. Follow the skills below exactly when they apply."
@@ -120,41 +111,13 @@ def _cut(text: str, tokens, limit: int) -> str:
     return "".join(lines[:lo])
 
 
-def _field(text: str) -> str | None:
-    """A field to edit: the most frequent backticked name or number (3-30 chars), else a capitalised term."""
-    ticks = Counter(m for m in re.findall(r"`([A-Za-z0-9_.\-/]{3,30})`", text))
-    nums = Counter(re.findall(r"(?<![\w.])(\d+(?:x\d+|\.\d+)?)(?![\w.])", text))
-    for pool in (ticks, nums):
-        for value, _ in pool.most_common():
-            if text.count(value) <= 4:
-                return value
-    caps = Counter(re.findall(r"\b([A-Z][a-z]{3,}[A-Z]\w+)\b", text))
-    return caps.most_common(1)[0][0] if caps else None
-
-
-def _new_value(old: str) -> str:
-    if re.fullmatch(r"\d+", old):
-        return str(int(old) * 2 + 1)
-    if re.fullmatch(r"\d+x\d+", old):
-        a, b = old.split("x")
-        return f"{int(a) * 2}x{int(b) * 2}"
-    return old + "_v2" if old[-1].isalnum() else old + "v2"
-
-
-def _decision(answer: str, old: str, new: str) -> str:
-    if new in answer:
-        return "new"
-    if old in answer:
-        return "old"
-    return "neither"
-
-
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.kit import ContextKit
     from contextkit.synthesis.skills import SkillLibrary
 
     min_tokens, max_tokens = ctx.option("min_tokens", 1000, int), ctx.option("max_tokens", 2048, int)
     decode, pairs = ctx.option("decode_tokens", 32, int), ctx.option("pairs", 4, int)
+    counts = tuple(int(c) for c in ctx.option("errata_counts", "1,2,4", str).split(","))
     folder = Path(ctx.option("skills", str(SHARED_SKILLS))).expanduser()
     kit = ContextKit(ctx.config)
     try:
@@ -214,7 +177,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 m.setdefault("hits", []).append(report.hits)
                 m.setdefault("skills", []).append(len([it for it in plan.items if it.span.kind == "skill"]))
 
-        erratum = _errata(kit, band, params, tick)
+        erratum = run_errata(kit, band, SYSTEM, tick, counts)
     finally:
         kit.close()
 
@@ -246,7 +209,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     }
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "splice_system": SPLICE_SYSTEM,
               "skills_dir": str(folder), "min_tokens": min_tokens,
-              "max_tokens": max_tokens, "decode_tokens": decode, "pairs": pairs, "system": SYSTEM}
+              "max_tokens": max_tokens, "decode_tokens": decode, "pairs": pairs, "system": SYSTEM,
+              "errata_counts": list(counts)}
     return BenchResult("skills", config, rows, summary)
 
 
@@ -259,99 +223,3 @@ def _decode(kit, plan: RequestPlan, asm, params: SamplingParams):
     from contextkit.engine.generate import generate
 
     return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-
-
-def _errata(kit, band: list[Skill], params: SamplingParams, tick: Tick) -> dict:
-    """Erratum vs recompiled edit vs stale skill vs overwritten field KV, decisions compared."""
-    planner, spans = kit.planner, kit.spans
-    decisions: dict[str, list[float]] = {"stale": [], "erratum": [], "overwrite": []}
-    agree_f1: dict[str, list[float]] = {k: [] for k in decisions}
-    ttft: dict[str, list[float]] = {k: [] for k in (*decisions, "recompiled")}
-    fields = []
-    reuse = ReuseOptions()
-    for s in band:
-        old = _field(s.text)
-        if old is None:
-            continue
-        new = _new_value(old)
-        line = next(ln for ln in s.text.splitlines() if old in ln).strip()
-        cloze = line.replace(old, "____", 1)[:240]
-        question = f'The skill says: "{cloze}". What exactly goes in the blank? Answer with the value only.'
-        edited = Skill(s.name, s.text.replace(old, new), "edited", s.description)
-        with_erratum = dataclasses.replace(s, errata=((old, new),))
-        fields.append(old)
-        answers = {}
-        for name, skill, opts in (("recompiled", edited, ReuseOptions(policy="full")), ("stale", s, reuse),
-                                  ("erratum", with_erratum, reuse)):
-            tick(f"erratum {name} {s.name}")
-            plan = planner.plan(ChatRequest.ask(question, skills=(skill,), system=SYSTEM, reuse=opts,
-                                                max_new_tokens=params.max_new_tokens))
-            t0 = time.perf_counter()
-            asm = spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
-            ttft[name].append((time.perf_counter() - t0) * 1e3)
-            answers[name] = _decode(kit, plan, asm, params).text
-        # the field's KV overwritten in place: the edited skill's tokens, reused from the original's KV
-        # except where the tokens differ (those recomputed in their context, nothing appended)
-        tick(f"erratum overwrite {s.name}")
-        plan = planner.plan(ChatRequest.ask(question, skills=(edited,), system=SYSTEM, reuse=reuse,
-                                            max_new_tokens=params.max_new_tokens))
-        t0 = time.perf_counter()
-        asm = _overwrite(kit, plan, planner.skill_tokens(s), params)
-        ttft["overwrite"].append((time.perf_counter() - t0) * 1e3)
-        answers["overwrite"] = _decode(kit, plan, asm, params).text
-        want = _decision(answers["recompiled"], old, new)
-        for name in decisions:
-            decisions[name].append(float(_decision(answers[name], old, new) == want))
-            agree_f1[name].append(token_f1(answers[name], answers["recompiled"]))
-    if not fields:
-        return {"rows": [], "erratum_agreement": None}
-    rows = [{"method": f"erratum: {name}", "tasks": len(decisions[name]),
-             "ttft_ms_p50": round(median(ttft[name]), 1),
-             "decision_agreement": round(sum(decisions[name]) / len(decisions[name]), 3),
-             "answer_agreement_f1": round(sum(agree_f1[name]) / len(agree_f1[name]), 3),
-             "default": name == "erratum"} for name in decisions]
-    rows.append({"method": "erratum: recompiled (reference)", "tasks": len(fields),
-                 "ttft_ms_p50": round(median(ttft["recompiled"]), 1), "decision_agreement": 1.0,
-                 "answer_agreement_f1": 1.0, "default": False})
-    return {"rows": rows, "erratum_agreement": rows[1]["decision_agreement"],
-            "stale_agreement": rows[0]["decision_agreement"], "overwrite_agreement": rows[2]["decision_agreement"],
-            "erratum_fields": fields}
-
-
-def _overwrite(kit, plan: RequestPlan, original_ids: tuple[int, ...], params: SamplingParams):
-    """Assemble ``plan`` (whose skill is the edited text) from the original skill's compiled KV: the
-    tokens both share keep the original's KV, the differing ones are recomputed in context."""
-    spans = kit.spans
-    i = next(j for j, it in enumerate(plan.items) if it.span.kind == "skill")
-    edited_ids = plan.items[i].span.token_ids
-    entry, _ = spans.compiled(Span(original_ids, "skill"))
-    # align the two token sequences: a common prefix and suffix; the middle is the edit
-    p = 0
-    while p < min(len(original_ids), len(edited_ids)) and original_ids[p] == edited_ids[p]:
-        p += 1
-    q = 0
-    while (q < min(len(original_ids), len(edited_ids)) - p
-           and original_ids[-1 - q] == edited_ids[-1 - q]):
-        q += 1
-    # a span for the shared head and one for the shared tail (their KV cut from the original's), the
-    # edited tokens between them computed in context
-    head, tail = edited_ids[:p], edited_ids[len(edited_ids) - q:]
-    mid = edited_ids[p: len(edited_ids) - q]
-    store = spans.store
-    # under a tenant of its own: these entries are approximate and must not be hit by anything else
-    tenant = Tenant("bench-overwrite")
-    items = list(plan.items[:i])
-    if head:
-        store.put(CompiledSpan(span_key(spans.identity, head, (), tenant), head,
-                               entry.k[:, :, :p].contiguous(), entry.v[:, :, :p].contiguous()))
-        items.append(PlanItem(Span(head, "skill", "head")))
-    if mid:
-        items.append(PlanItem(Span(mid, "skill", "edit"), reuse=False))
-    if tail:
-        start = len(original_ids) - q
-        k, v = entry.k[:, :, start:].contiguous(), entry.v[:, :, start:].contiguous()
-        rotate_layers(spans.engine, k, -start, k, spans.rerotator)  # stored as if it started at position 0
-        store.put(CompiledSpan(span_key(spans.identity, tail, (), tenant), tail, k, v))
-        items.append(PlanItem(Span(tail, "skill", "tail")))
-    items.extend(plan.items[i + 1:])
-    return spans.assemble(RequestPlan(tuple(items), plan.options, tenant), extra_capacity=params.max_new_tokens + 1)
