@@ -14,7 +14,10 @@ request's ``ReuseOptions`` (``SpanCache.assemble(provided=...)``), instead of re
 text. That KV was computed while the branch read its own inputs, which the synthesizer never sees: it
 is approximate by construction, so ``join`` keeps it request-only (never put in the span store) and
 the result's report says what was reused and recomputed. ``join_text`` is the baseline: the same
-context with the branches' text, prefilled in full.
+context with the branches' text, prefilled in full. With ``transcripts=True`` the synthesizer reads
+each branch's prompt (what the worker read) as well as what it generated, as a lead agent reading its
+subagents' transcripts: the prompt's KV was computed after the shared prefix only, like a document
+compiled alone, and is re-positioned the same way.
 """
 
 from __future__ import annotations
@@ -133,18 +136,27 @@ class Fork:
             b.text = self.tokenizer.decode(b.token_ids)
         return self.branches
 
-    def span(self, branch: Branch) -> CompiledSpan:
-        """The KV of a branch's generated tokens, position-free (keys rotated back to position 0).
+    def span(self, branch: Branch, transcript: bool = False) -> CompiledSpan:
+        """The KV of a branch's generated tokens (``transcript``: its prompt and generated tokens),
+        position-free (keys rotated back to position 0).
 
-        Its key depends on the prefix and the branch's prompt (the KV saw them), so it can never be
-        mistaken for the same tokens compiled alone."""
+        Its key depends on what the KV saw before it (the prefix, and the branch's prompt unless that is
+        part of the span), so it can never be mistaken for the same tokens compiled alone."""
         if not branch.ok:
             raise ConfigError(f"branch {branch.index} failed ({branch.error}); join the others")
         if not branch.token_ids:
             raise EmptyInputError(f"branch {branch.index} generated nothing")
-        slots = branch.slots[len(branch.prompt_ids):][: len(branch.token_ids)]
-        context = span_key(self.spans.identity, self.prefix_ids + branch.prompt_ids, (), self.tenant)
-        return generated_span(self.spans, self.cache, slots, tuple(branch.token_ids), context, self.tenant)
+        ids = self.read(branch, transcript)
+        skip = 0 if transcript else len(branch.prompt_ids)
+        slots = branch.slots[skip:][: len(ids)]
+        seen = self.prefix_ids if transcript else self.prefix_ids + branch.prompt_ids
+        context = span_key(self.spans.identity, seen, (), self.tenant)
+        return generated_span(self.spans, self.cache, slots, ids, context, self.tenant)
+
+    @staticmethod
+    def read(branch: Branch, transcript: bool = False) -> tuple[int, ...]:
+        """What a synthesizer reads of a branch: its generated tokens, or its prompt and them."""
+        return (branch.prompt_ids if transcript else ()) + tuple(branch.token_ids)
 
 
 def generated_span(spans, cache: KVCache, slots: Sequence[int], ids: tuple[int, ...], context,
@@ -185,20 +197,24 @@ def synthesis_plan(head_ids: Sequence[int], notes: Sequence[Sequence[int]], tail
 
 
 def join(f: Fork, head_ids: Sequence[int], tail_ids: Sequence[int], labels: Sequence[Sequence[int]] = (),
-         options: ReuseOptions = ReuseOptions(), extra_capacity: int = 64):
+         options: ReuseOptions = ReuseOptions(), extra_capacity: int = 64, transcripts: bool = False):
     """The synthesizer's context from the successful branches' KV (see the module docstring); returns
-    the ``Assembly`` (cache ready to decode, first logits, report) and the branches it read."""
+    the ``Assembly`` (cache ready to decode, first logits, report), the branches it read and the plan.
+
+    ``transcripts``: the synthesizer reads each branch's prompt (what the worker read) and what it
+    generated, not only the latter (a lead agent reading its subagents' transcripts)."""
     done = [b for b in f.branches if b.ok and b.token_ids]
     if not done:
         raise EmptyInputError("no branch produced anything to synthesize from")
     labels = [labels[b.index] for b in done] if labels else []
-    plan, where = synthesis_plan(head_ids, [b.token_ids for b in done], tail_ids, labels, options, f.tenant)
+    plan, where = synthesis_plan(head_ids, [f.read(b, transcripts) for b in done], tail_ids, labels, options,
+                                 f.tenant)
     # a full prefill reads no branch KV: none is cut out for it (the text baseline's time stays its own)
-    provided = {} if options.policy == "full" else {i: f.span(b) for i, b in zip(where, done)}
+    provided = {} if options.policy == "full" else {i: f.span(b, transcripts) for i, b in zip(where, done)}
     return f.spans.assemble(plan, extra_capacity=extra_capacity, provided=provided), done, plan
 
 
 def join_text(f: Fork, head_ids: Sequence[int], tail_ids: Sequence[int], labels: Sequence[Sequence[int]] = (),
-              extra_capacity: int = 64):
+              extra_capacity: int = 64, transcripts: bool = False):
     """The baseline ``join`` is measured against: the same context with the branches' text prefilled in full."""
-    return join(f, head_ids, tail_ids, labels, ReuseOptions(policy="full"), extra_capacity)
+    return join(f, head_ids, tail_ids, labels, ReuseOptions(policy="full"), extra_capacity, transcripts)

@@ -25,6 +25,7 @@ import time
 from contextkit.bench.data import load_records, sample
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
+from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.prompt import render_document
@@ -36,6 +37,7 @@ SYNTH = ("You combine the notes of three research workers into one answer.\nQues
 TAIL = "\n\nAnswer the question in a few words, from the notes.\nAnswer:"
 
 
+READS = ("notes", "transcripts")
 DEFAULT = f"kv default (query_attention r={ReuseOptions().ratio}, <={ReuseOptions().max_recompute})"
 
 
@@ -53,14 +55,18 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 
     workers, note_tokens = ctx.option("workers", 3, int), ctx.option("note_tokens", 48, int)
     answer_tokens = ctx.option("answer_tokens", 24, int)
+    reads = [r.strip() for r in ctx.option("read", "notes,transcripts", str).split(",")]
+    if not reads or any(r not in READS for r in reads):
+        raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), got {ctx.option('read', '', str)!r}")
     records = sample(load_records(ctx.data), ctx.count(24), ctx.seed)
     table = methods()
     dflt = DEFAULT
     kit = ContextKit(ctx.config)
     tok, spans = kit.tokenizer, kit.spans
-    per: dict[str, dict[str, list[float]]] = {m: {} for m in ("text", *table)}
+    # (read, method) -> metric -> values
+    per: dict[tuple[str, str], dict[str, list[float]]] = {(r, m): {} for r in reads for m in ("text", *table)}
     worker_ms, note_len = [], []
-    tick(total=len(records) * (len(table) + 2))
+    tick(total=len(records) * (len(reads) * (len(table) + 1) + 1))
     try:
         for qi, rec in enumerate(records):
             tick(f"workers q{qi}")
@@ -75,52 +81,62 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             labels = [tok.encode(f"\nNote {i + 1}:") for i in range(len(prompts))]
             tail = tok.encode(TAIL)
             params = SamplingParams(max_new_tokens=answer_tokens)
-            out = {}
-            names = ["text", *table]
-            for name in names[qi % len(names):] + names[: qi % len(names)]:
-                tick(f"{name} q{qi}")
-                t0 = time.perf_counter()
-                if name == "text":
-                    asm, _, plan = join_text(f, head, tail, labels, extra_capacity=answer_tokens + 1)
-                else:
-                    asm, _, plan = join(f, head, tail, labels, table[name], extra_capacity=answer_tokens + 1)
-                ttft = (time.perf_counter() - t0) * 1e3
-                out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
-            ref_logits, ref_text, _, _ = out["text"]
-            for name, (logits, text, ttft, report) in out.items():
-                m = per[name]
-                m.setdefault("ttft", []).append(ttft)
-                m.setdefault("f1", []).append(answer_f1(text, rec.answers))
-                m.setdefault("agree", []).append(token_f1(text, ref_text))
-                m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
-                m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
-                m.setdefault("context", []).append(report.context_tokens)
-                m.setdefault("recomputed", []).append(report.recomputed_tokens)
+            for read in reads:
+                transcripts = read == "transcripts"
+                out = {}
+                names = ["text", *table]
+                for name in names[qi % len(names):] + names[: qi % len(names)]:
+                    tick(f"{read}: {name} q{qi}")
+                    t0 = time.perf_counter()
+                    if name == "text":
+                        asm, _, plan = join_text(f, head, tail, labels, answer_tokens + 1, transcripts)
+                    else:
+                        asm, _, plan = join(f, head, tail, labels, table[name], answer_tokens + 1, transcripts)
+                    ttft = (time.perf_counter() - t0) * 1e3
+                    out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
+                ref_logits, ref_text, _, _ = out["text"]
+                for name, (logits, text, ttft, report) in out.items():
+                    m = per[(read, name)]
+                    m.setdefault("ttft", []).append(ttft)
+                    m.setdefault("f1", []).append(answer_f1(text, rec.answers))
+                    m.setdefault("agree", []).append(token_f1(text, ref_text))
+                    m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
+                    m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
+                    m.setdefault("context", []).append(report.context_tokens)
+                    m.setdefault("recomputed", []).append(report.recomputed_tokens)
     finally:
         kit.close()
-    text_ttft = median(per["text"]["ttft"])
-    rows = [{
-        "method": name, "questions": len(m["ttft"]),
-        "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
-        "ttft_speedup_vs_text": round(text_ttft / median(m["ttft"]), 2),
-        "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
-        "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
-        "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3), "kl_p50": round(median(m["kl"]), 4),
-        "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
-        "default": name == dflt,
-    } for name, m in per.items()]
-    by = {r["method"]: r for r in rows}
-    summary = {
-        "questions": len(records), "default_method": dflt,
-        "ttft_speedup_vs_text": by[dflt]["ttft_speedup_vs_text"],
-        "answer_f1_delta": round(by[dflt]["answer_f1"] - by["text"]["answer_f1"], 2),
-        "answer_agreement_f1": by[dflt]["answer_agreement_f1"],
-        "top1_agreement": by[dflt]["top1_agreement"], "kl_p50": by[dflt]["kl_p50"],
-        "text_ttft_ms_p50": by["text"]["ttft_ms_p50"], "workers_ms_p50": round(median(worker_ms), 1),
-        "note_tokens_p50": median(note_len),
-    }
+    rows = []
+    for (read, name), m in per.items():
+        text_ttft = median(per[(read, "text")]["ttft"])
+        rows.append({
+            "read": read, "method": name, "questions": len(m["ttft"]),
+            "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
+            "ttft_speedup_vs_text": round(text_ttft / median(m["ttft"]), 2),
+            "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
+            "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
+            "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3), "kl_p50": round(median(m["kl"]), 4),
+            "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
+            "default": name == dflt and read == reads[0],
+        })
+    by = {(r["read"], r["method"]): r for r in rows}
+    summary = {"questions": len(records), "default_method": dflt, "default_read": reads[0],
+               "workers_ms_p50": round(median(worker_ms), 1), "note_tokens_p50": median(note_len)}
+    for read in reads:  # the first read's keys bare, every read's with its name as a prefix
+        d, t = by[(read, dflt)], by[(read, "text")]
+        keys = {
+            "ttft_speedup_vs_text": d["ttft_speedup_vs_text"],
+            "answer_f1_delta": round(d["answer_f1"] - t["answer_f1"], 2),
+            "answer_agreement_f1": d["answer_agreement_f1"],
+            "top1_agreement": d["top1_agreement"], "kl_p50": d["kl_p50"],
+            "text_ttft_ms_p50": t["ttft_ms_p50"], "context_tokens_p50": d["context_tokens_p50"],
+        }
+        if read == reads[0]:
+            summary.update(keys)
+        summary.update({f"{read}_{k}": v for k, v in keys.items()})
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
-              "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens}
+              "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens,
+              "read": reads}
     return BenchResult("synthesis", config, rows, summary)
 
 

@@ -91,6 +91,26 @@ def test_join_at_r1_equals_the_text_synthesizer(kit):
     assert torch.isfinite(fast.logits).all()
 
 
+def test_join_reads_whole_transcripts_when_asked(kit):
+    spans, tok = kit
+    prefix, prompts = _prompts(tok)
+    f = fork(spans, tok, prefix, prompts, SamplingParams(max_new_tokens=8))
+    head = tok.encode("You combine workers' transcripts into one answer.\nQuestion: How tall is the tower?\n")
+    tail, labels = tok.encode("\nAnswer:"), [tok.encode(f"\nWorker {i + 1}:") for i in range(len(prompts))]
+    b = f.branches[2]
+    span = f.span(b, transcript=True)  # what the worker read and wrote: its own slots, keys at position 0
+    assert span.token_ids == b.prompt_ids + tuple(b.token_ids) and span.key != f.span(b).key
+    mine = torch.tensor(b.slots)
+    assert torch.equal(span.v, f.cache.v[:, :, mine])
+    text, _, plan = join_text(f, head, tail, labels, transcripts=True)
+    assert sum(len(it.span.token_ids) for it in plan.items) == len(head) + len(tail) + sum(
+        len(x) for x in labels) + sum(len(x.prompt_ids) + len(x.token_ids) for x in f.branches)
+    exact, _, _ = join(f, head, tail, labels, ReuseOptions(ratio=1.0, max_recompute=None), transcripts=True)
+    assert (exact.logits - text.logits).abs().max().item() <= TOL
+    fast, _, _ = join(f, head, tail, labels, transcripts=True)
+    assert fast.report.reused_tokens > sum(len(x.prompt_ids) for x in f.branches) // 2
+
+
 def test_bad_input(kit):
     spans, tok = kit
     prefix, prompts = _prompts(tok)
