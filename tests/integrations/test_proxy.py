@@ -401,25 +401,61 @@ def test_the_upstream_key_is_sent_on_every_call(keyed_vllm, config, app_thread):
         assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 401
 
 
-def test_a_skill_set_is_one_prefix_vllm_keeps_warm(clients):
-    """Skills are rendered after the system prompt in one order: two requests naming the same skills in
-    another order, with other questions, share every block up to the questions in vLLM's prefix cache."""
+def _skills(shared_data: Path) -> list[dict]:
+    """Three skills of a few hundred tokens: real ``SKILL.md`` bodies (cut at a line) where the shared data
+    is, else short texts written here (a clone without ../shared)."""
+    from contextkit.synthesis.skills import parse_skill
+
+    paths = sorted((shared_data / "skills").rglob("SKILL.md"))[:3]
+    if len(paths) < 3:
+        return [{"name": "release-notes", "text": "Write release notes as a bulleted list, newest change first. " * 12},
+                {"name": "changelog", "text": "Every changelog entry names the ticket and the author. " * 12},
+                {"name": "code-review", "text": "Review the diff for tests, naming and error handling first. " * 12}]
+    out = []
+    for path in paths:
+        meta, body = parse_skill(path.read_text(encoding="utf-8"), str(path))
+        out.append({"name": meta["name"], "text": body[:1200].rsplit("\n", 1)[0]})  # ~300 tokens
+    return out
+
+
+def test_a_skill_set_is_one_prefix_vllm_keeps_warm(proxy, clients, shared_data):
+    """Skills are rendered after the system prompt in one order: a request naming the same skills in
+    another order, with another question, is served from vLLM's prefix cache for every whole block of the
+    system prompt and skills; another tenant sending the very same prompt gets nothing from that cache."""
+    from contextkit.core.planner import ChatRequest
+    from contextkit.core.types import Message, Skill, skill_version
+
     via, direct = clients
     model = direct.models.list().data[0].id
-    skills = [{"name": "release-notes", "text": "Write release notes as a bulleted list, newest change first. " * 12},
-              {"name": "changelog", "text": "Every changelog entry names the ticket and the author. " * 12}]
+    skills = _skills(shared_data)
+    system = "You are a careful coding agent. Follow the skills below exactly when they apply."
     tenant = f"skills-{uuid.uuid4().hex[:8]}"  # a tenant no earlier run warmed
 
-    def ask(question, order):
+    def ask(question, order, who=tenant):
         return via.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": question}], max_tokens=2, temperature=0,
-            extra_body={"skills": order, "contextkit": {"tenant": tenant}, "return_token_ids": True})
+            model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2, temperature=0,
+            extra_body={"skills": [skills[i] for i in order], "contextkit": {"tenant": who}, "return_token_ids": True})
 
-    first = ask("Summarise this week's changes.", skills)
-    again = ask("Which ticket fixed the login bug?", skills[::-1])
-    a, b = (r.choices[0].model_extra["prompt_token_ids"] for r in (first, again))
-    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the questions differ from here
-    assert shared > 200  # system prompt + both skills
-    cached = again.usage.prompt_tokens_details.cached_tokens
-    assert cached >= shared - shared % 32 - 32, (cached, shared)
-    assert first.model_extra["contextkit"]["tenant"] == tenant
+    first = ask("Summarise this week's changes.", [2, 0, 1])
+    again = ask("Which ticket fixed the login bug?", [1, 2, 0])
+    other = ask("Which ticket fixed the login bug?", [1, 2, 0], who=f"{tenant}-other")
+    # what the planner renders before the question: the system prompt, then the skills by name
+    plan = proxy.app.planner().plan(ChatRequest(
+        (Message("system", system), Message("user", "Which ticket fixed the login bug?")),
+        skills=tuple(Skill(k["name"], k["text"], skill_version(k["name"], k["text"])) for k in skills)))
+    by_name = [it.span.name for it in plan.items if it.span.kind == "skill"]
+    assert [n.split("@")[0] for n in by_name] == sorted(k["name"] for k in skills)
+    upto = max(i for i, it in enumerate(plan.items) if it.span.kind == "skill") + 1
+    block = sum(len(it.span.token_ids) for it in plan.items[:upto])  # system prompt + skills, in tokens
+    assert block > 300
+    a, b, c = (r.choices[0].model_extra["prompt_token_ids"] for r in (first, again, other))
+    assert a[:block] == b[:block] == plan.ids[:block] and b == c == plan.ids  # what vLLM received
+    assert a[block:] != b[block:]  # the questions differ
+    for r in (first, again):  # reported in the canonical order, whatever order the request listed
+        assert r.model_extra["contextkit"]["skills"] == by_name and r.model_extra["contextkit"]["tenant"] == tenant
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # cold: the hits below are first's blocks
+    whole = block - block % 32  # vLLM caches whole 32-token blocks
+    assert again.usage.prompt_tokens_details.cached_tokens >= whole
+    assert again.model_extra["contextkit"]["cached_tokens"] == again.usage.prompt_tokens_details.cached_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == other.model_extra["contextkit"]["cached_tokens"] == 0
