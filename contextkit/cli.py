@@ -183,7 +183,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines, connector, trace).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, pipelines, connector, trace, skillcache).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -196,10 +196,10 @@ def bench(
     option: Annotated[
         list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
     ] = [],
-    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering, proxy); else one is started.")] = None,
+    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering, proxy, skillcache); else one is started.")] = None,
     trace: Annotated[Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")] = None,
     write_trace: Annotated[Optional[Path], typer.Option(help="Save the generated request stream here.")] = None,
-    skills: Annotated[Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills).")] = None,
+    skills: Annotated[Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills, skillcache).")] = None,
 ) -> None:
     """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
     from contextkit.bench.harness import BenchContext, run_bench

@@ -1,0 +1,375 @@
+"""``contextkit bench skillcache [--skills DIR]``: does one canonical skill order keep popular skill sets warm
+in vLLM's prefix cache, on the prompt path?
+
+Workload (seeded by ``--seed``). Skills come from ``DIR`` (default ``../shared/data/skills``, any folder
+laid out like it: ``SKILL.md`` files with front matter). Each skill's body is cut at a line boundary to
+at most ``--set max_tokens=600`` tokens, so that a request with 3 skills plus its question stays under
+~2k tokens and vLLM's KV space (2 GiB when the bench starts vLLM: ~90k tokens of SmolLM2 bf16) holds a
+working set of popular sets; longer skills would measure eviction, not ordering. Popularity ranks are a
+seeded shuffle of the skills (so they do not follow the names' order, which is the canonical order).
+Each of ``--n`` requests (default 120) needs 1 to ``--set max_skills=3`` skills, drawn without
+replacement by a Zipf law over those ranks (``--set zipf=1.1``: weight 1/rank^zipf), listed in a random
+order as an agent framework lists them, under one system prompt (``bench skills``' ``SYSTEM``), with
+a question of ``--data`` (default the shared multi-hop set; the bundled example question in a clone).
+
+Arms, on the same request stream, sent sequentially; per request the arms take turns (rotating which goes
+first), so both see the same machine load. Each arm has its own tenant / ``cache_salt`` (unique per
+run), so vLLM's prefix cache keeps them apart while they share its KV space:
+
+- ``proxy, canonical`` (the default): ``contextkit proxy`` in its own process (as ``bench proxy`` starts
+  it) in front of vLLM (``--upstream URL``, or one the bench starts and stops), the skills in the chat
+  body's ``skills`` field: the planner renders them after the system prompt in one order (name, version).
+- ``vLLM direct, request order``: straight to vLLM's ``/v1/completions`` as token ids, the same blocks
+  rendered by the same planner (``Planner.frame`` and ``Planner.skill_tokens``) in the order the request
+  listed them: what a client without contextkit sends. Only the order differs from the canonical arm
+  (the bench checks that its canonical rendering is the planner's plan, token for token).
+- ``proxy, pasted in request order`` (``--set pasted=1``): through the proxy without the ``skills``
+  field, the same skill blocks pasted into the system message text in request order (tokenized whole;
+  its block bounds and ideal are the request-order rendering's, off by a token or so at the joints).
+
+Per arm: ``cached_share`` = sum(cached_tokens) / sum(prompt_tokens) (vLLM's
+``usage.prompt_tokens_details.cached_tokens``); ``skill_hit_rate`` = the share of the skills block's
+tokens served from cache (vLLM's cache is a prefix: cached tokens past the system prompt, up to the
+block's length); ``ideal_skill_hit_rate``: the same from a simulated prefix cache of the arm's prompts
+(32-token blocks, chained hashes, no eviction), so a gap to it is eviction; ``repeat_skill_hit_rate``:
+the same over requests whose skill set came earlier in the stream; TTFT p50/p90/p99 (streaming, the
+first chunk with a token; ``--set new_tokens=1`` generated); distinct skill lists as rendered (prefixes
+the cache has to hold).
+
+What the canonical order guarantees: a set seen before is served from cache up to the last whole block
+of its skills, whatever order it is listed in (``repeat_skill_hit_rate`` ~1, never below request
+order's, absent eviction). Over the whole stream it usually wins too, but not by construction: sets
+that only overlap share a prefix when they start with the same skill, and sorting by name can put a
+rare skill before a popular one where a random listing puts the popular one first half the time (on
+small streams request order can come out ahead).
+
+Summary: ``skill_hit_rate`` (canonical), ``skill_hit_rate_request_order``, ``cached_share``,
+``cached_share_request_order``, ``ttft_ms_p50``, ``ttft_ms_p50_request_order``, ``ttft_vs_request_order``
+(canonical TTFT p50 / request-order TTFT p50, same run), ``repeat_skill_hit_rate``,
+``repeat_skill_hit_rate_request_order``, ``ideal_skill_hit_rate``, ``ideal_skill_hit_rate_request_order``,
+``distinct_skill_sets``, ``requests``, ``errors``, ``render_mismatches`` (requests whose prompt length
+or reported skills differ from the local rendering: 0 unless the one-planner invariant broke).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import httpx
+
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.bench.skills import SHARED_SKILLS, SYSTEM, _cut
+from contextkit.core.errors import ConfigError, InputError, UpstreamError
+from contextkit.core.models import prepare
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.prompt import render_skill
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Message, Skill, skill_version
+from contextkit.integrations.openai_client import CompletionClient
+from contextkit.integrations.process import ManagedProcess, health
+from contextkit.integrations.vllm_server import (
+    VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
+)  # fmt: skip
+
+CANONICAL = "proxy, canonical"
+REQUEST_ORDER = "vLLM direct, request order"
+PASTED = "proxy, pasted in request order"
+
+
+@dataclass(frozen=True, slots=True)
+class SkillRequest:
+    """One request of the workload: its skills as the client lists them, and its question."""
+
+    skills: tuple[Skill, ...]
+    question: str
+
+
+def load_skills(folder: Path, planner: Planner, max_tokens: int) -> list[Skill]:
+    """Every skill under ``folder``, its body cut at a line boundary to at most ``max_tokens`` tokens."""
+    from contextkit.synthesis.skills import SkillLibrary
+
+    out = []
+    for s in sorted(SkillLibrary(planner).register(folder), key=lambda s: s.name):
+        text = _cut(s.text, planner.tokenizer.encode, max_tokens)
+        out.append(Skill(s.name, text, skill_version(s.name, text), s.description))
+    return out
+
+
+def workload(skills: list[Skill], questions: list[str], n: int, zipf: float, max_skills: int,
+             seed: int) -> list[SkillRequest]:
+    """``n`` requests of 1..``max_skills`` distinct skills each, drawn by a Zipf law over seeded popularity
+    ranks, listed in a random order, with ``questions`` in turn."""
+    if zipf <= 0 or max_skills < 1:
+        raise ConfigError("--set zipf must be > 0 and --set max_skills >= 1")
+    rng = random.Random(seed)
+    ranked = list(skills)
+    rng.shuffle(ranked)  # popularity does not follow the names' (canonical) order
+    weights = [1.0 / (rank + 1) ** zipf for rank in range(len(ranked))]
+    out = []
+    for i in range(n):
+        pool, w, picked = list(ranked), list(weights), []
+        for _ in range(rng.randint(1, min(max_skills, len(ranked)))):
+            j = rng.choices(range(len(pool)), weights=w)[0]
+            picked.append(pool.pop(j))
+            w.pop(j)
+        rng.shuffle(picked)  # the order an agent framework happens to list them in
+        out.append(SkillRequest(tuple(picked), questions[i % len(questions)]))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A request's prompt as token ids, and where its skills block sits in it."""
+
+    ids: tuple[int, ...]
+    skills_at: int  # tokens before the skills block (the system prompt's)
+    skills_len: int
+
+
+class Renderer:
+    """Renders a request through the planner: canonically (its plan), or with the same skill blocks in the
+    order the request listed them."""
+
+    def __init__(self, planner: Planner, new_tokens: int):
+        self.planner, self.new_tokens = planner, new_tokens
+
+    def chat(self, req: SkillRequest) -> ChatRequest:
+        return ChatRequest((Message("system", SYSTEM), Message("user", req.question)), skills=req.skills,
+                           max_new_tokens=self.new_tokens)
+
+    def render(self, req: SkillRequest, canonical: bool) -> Rendered:
+        chat = self.chat(req)
+        head, middle, tail = self.planner.frame(chat)
+        assert not middle  # no documents: everything after the skills is the query
+        listed = sorted(req.skills, key=lambda s: (s.name, s.version)) if canonical else req.skills
+        blocks = [t for s in listed for t in self.planner.skill_tokens(s)]
+        ids = (*head, *blocks, *tail)
+        if canonical:  # one planner: the proxy sends exactly this
+            assert list(ids) == self.planner.plan(chat).ids
+        return Rendered(ids, len(head), len(blocks))
+
+    @staticmethod
+    def pasted_system(req: SkillRequest) -> str:
+        """The system message with the skills pasted in request order, as the planner lays them out."""
+        return SYSTEM.rstrip() + "\n\n" + "".join(render_skill(s) for s in req.skills)
+
+
+def ideal_cached(prompts: list[tuple[int, ...]], block: int) -> list[int]:
+    """Cached tokens per prompt from a prefix cache of ``block``-token blocks keyed by chained hashes and
+    never evicted (vLLM's rule: full blocks only, never the prompt's last token), prompts in turn."""
+    seen: set[int] = set()
+    out = []
+    for ids in prompts:
+        h, hit, cached = 0, True, 0
+        servable = (len(ids) - 1) // block
+        for b in range(len(ids) // block):
+            h = hash((h, ids[b * block:(b + 1) * block]))
+            hit = hit and h in seen and b < servable
+            cached += block if hit else 0
+            seen.add(h)
+        out.append(cached)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    skills: tuple[str, ...] = ()  # as the proxy reports them rendered (name@version)
+
+
+def chat_stream(http: httpx.Client, url: str, body: dict) -> Sample:
+    """One streaming chat through the proxy: TTFT to the first chunk with a token, and the usage and
+    ``contextkit`` extension of its last chunk."""
+    t0 = time.perf_counter()
+    first, usage, ext = None, {}, {}
+    try:
+        with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                r.read()
+                raise UpstreamError(f"{url} answered {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if first is None and obj.get("choices"):
+                    first = time.perf_counter()
+                usage, ext = obj.get("usage") or usage, obj.get("contextkit") or ext
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"request to {url} failed: {exc}") from exc
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        raise UpstreamError("the upstream reports no cached_tokens; start vLLM with --enable-prompt-tokens-details")
+    return Sample(((first or time.perf_counter()) - t0) * 1e3, int(usage["prompt_tokens"]), int(cached),
+                  tuple(ext.get("skills") or ()))
+
+
+def _start_proxy(ctx: BenchContext, upstream: str, block: int, log: Path) -> tuple[ManagedProcess, str]:
+    """``contextkit proxy`` in its own process, open on loopback with client-named tenants (one per arm)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    exe = [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
+           "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"]
+    env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
+    proc = ManagedProcess("contextkit proxy", exe, partial(health, url), env=env, log_file=log, startup_timeout_s=120)
+    proc.launch()
+    proc.wait()
+    return proc, url
+
+
+def _in_block(cached: int, r: Rendered) -> int:
+    """Of ``cached`` tokens (a prefix: that is all a prefix cache serves), those inside the skills block."""
+    return min(max(cached - r.skills_at, 0), r.skills_len)
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _row(arm: str, samples: list[tuple[Sample, Rendered, bool]], ideal: list[int], distinct: int,
+         default: bool) -> dict:
+    ms = [s.ttft_ms for s, _, _ in samples]
+    prompt = sum(s.prompt_tokens for s, _, _ in samples)
+    cached = sum(min(s.cached_tokens, s.prompt_tokens) for s, _, _ in samples)
+    skill = sum(r.skills_len for _, r, _ in samples)
+    again = sum(r.skills_len for _, r, seen in samples if seen)
+    again_hit = sum(_in_block(s.cached_tokens, r) for s, r, seen in samples if seen)
+    return {"arm": arm, "requests": len(samples), "prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_share": _share(cached, prompt), "skill_tokens": skill,
+            "skill_hit_rate": _share(sum(_in_block(s.cached_tokens, r) for s, r, _ in samples), skill),
+            "ideal_skill_hit_rate": _share(sum(_in_block(c, r) for c, (_, r, _) in zip(ideal, samples)), skill),
+            "repeat_skill_tokens": again,
+            "repeat_skill_hit_rate": _share(again_hit, again),
+            "ttft_ms_p50": round(percentile(ms, 50), 2), "ttft_ms_p90": round(percentile(ms, 90), 2),
+            "ttft_ms_p99": round(percentile(ms, 99), 2), "distinct_skill_lists": distinct, "default": default}
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.bench.data import load_records, sample
+
+    max_tokens = ctx.option("max_tokens", 600, int)
+    zipf, max_skills = ctx.option("zipf", 1.1, float), ctx.option("max_skills", 3, int)
+    new_tokens, block = ctx.option("new_tokens", 1, int), ctx.option("block_size", 32, int)
+    pasted = bool(ctx.option("pasted", 0, int))
+    if max_tokens < 16 or new_tokens < 1:
+        raise ConfigError("--set max_tokens must be >= 16 and --set new_tokens >= 1")
+    folder = Path(ctx.option("skills", str(SHARED_SKILLS))).expanduser()
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    planner = Planner(Tokenizer(model_dir), block_size=block)
+    skills = load_skills(folder, planner, max_tokens)
+    if len(skills) < 2:
+        raise InputError(f"{folder} holds {len(skills)} skill(s); a skill-set workload needs at least 2")
+    n = ctx.count(120)
+    records = load_records(ctx.data)
+    requests = workload(skills, [r.question for r in sample(records, n, ctx.seed)], n, zipf, max_skills, ctx.seed)
+    renderer = Renderer(planner, new_tokens)
+    arms = [CANONICAL, REQUEST_ORDER] + ([PASTED] if pasted else [])
+    rendered = {arm: [renderer.render(r, canonical=arm == CANONICAL) for r in requests] for arm in arms}
+    run_id = uuid.uuid4().hex[:12]  # tenants / salts no earlier run warmed
+    tenant = {arm: f"skillcache-{run_id}-{i}" for i, arm in enumerate(arms)}
+
+    upstream = ctx.option("upstream", "")
+    logs = ctx.config.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    server = proxy_proc = None
+    got: dict[str, list[tuple[Sample, Rendered, bool]]] = {arm: [] for arm in arms}
+    sets = [frozenset(k.name for k in r.skills) for r in requests]
+    repeat = [sets[i] in sets[:i] for i in range(n)]  # the set came before: all of its block can hit
+    errors, mismatches = 0, 0
+    try:
+        tick(total=n)
+        if not upstream:
+            tick("starting vLLM", advance=0)
+            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+                                                 log_file=logs / "bench-skillcache-vllm.log")).start()
+            upstream = server.url
+        model = served_model(upstream)
+        tick("starting the proxy", advance=0)
+        proxy_proc, proxy = _start_proxy(ctx, upstream, block, logs / "bench-skillcache-proxy.log")
+        reset = reset_prefix_cache(upstream)  # a clean KV space when the server allows it (salts separate anyway)
+        with CompletionClient(upstream, model, timeout_s=600) as direct, httpx.Client(timeout=600) as http:
+            for i, req in enumerate(requests):
+                turn = arms[i % len(arms):] + arms[: i % len(arms)]
+                for arm in turn:
+                    r = rendered[arm][i]
+                    try:
+                        if arm == REQUEST_ORDER:
+                            c = direct.complete(r.ids, max_tokens=new_tokens, cache_salt=tenant[arm])
+                            s = Sample(c.ttft_ms, c.prompt_tokens, c.cached_tokens or 0)
+                        else:
+                            system = SYSTEM if arm == CANONICAL else renderer.pasted_system(req)
+                            body = {"model": model, "max_tokens": new_tokens, "temperature": 0,
+                                    "messages": [{"role": "system", "content": system},
+                                                 {"role": "user", "content": req.question}],
+                                    "contextkit": {"tenant": tenant[arm]}}
+                            if arm == CANONICAL:
+                                body["skills"] = [{"name": k.name, "text": k.text} for k in req.skills]
+                            s = chat_stream(http, proxy, body)
+                    except UpstreamError:
+                        errors += 1
+                        continue
+                    # the proxy renders through the same planner: the same prompt length, the skills sorted
+                    want = [f"{k.name}@{k.version}" for k in sorted(req.skills, key=lambda k: k.name)]
+                    wrong_length = arm != PASTED and s.prompt_tokens != len(r.ids)
+                    mismatches += wrong_length or (arm == CANONICAL and list(s.skills) != want)
+                    got[arm].append((s, r, repeat[i]))
+                tick(f"request {i + 1}")
+    finally:
+        if proxy_proc is not None:
+            proxy_proc.stop(30)
+        if server is not None:
+            server.stop()
+    if not all(got.values()):
+        raise UpstreamError(f"an arm had no successful request ({errors} errors); see the logs in {logs}")
+    rows = []
+    for arm in arms:
+        done = [r for _, r, _ in got[arm]]  # the ideal cache sees the requests that were served
+        lists = {tuple(k.name for k in (sorted(q.skills, key=lambda k: k.name) if arm == CANONICAL else q.skills))
+                 for q in requests}
+        rows.append(_row(arm, got[arm], ideal_cached([r.ids for r in done], block), len(lists), arm == CANONICAL))
+    by = {row["arm"]: row for row in rows}
+    a, b = by[CANONICAL], by[REQUEST_ORDER]
+    summary = {
+        "skill_hit_rate": a["skill_hit_rate"], "skill_hit_rate_request_order": b["skill_hit_rate"],
+        "cached_share": a["cached_share"], "cached_share_request_order": b["cached_share"],
+        "ttft_ms_p50": a["ttft_ms_p50"], "ttft_ms_p50_request_order": b["ttft_ms_p50"],
+        "ttft_vs_request_order": round(a["ttft_ms_p50"] / b["ttft_ms_p50"], 4),
+        "ideal_skill_hit_rate": a["ideal_skill_hit_rate"],
+        "ideal_skill_hit_rate_request_order": b["ideal_skill_hit_rate"],
+        "repeat_skill_hit_rate": a["repeat_skill_hit_rate"],
+        "repeat_skill_hit_rate_request_order": b["repeat_skill_hit_rate"],
+        "distinct_skill_sets": len(set(sets)), "requests": n, "errors": errors, "render_mismatches": mismatches,
+    }
+    if pasted:
+        summary.update(skill_hit_rate_pasted=by[PASTED]["skill_hit_rate"], ttft_ms_p50_pasted=by[PASTED]["ttft_ms_p50"])
+    config = {"skills_folder": str(folder), "skills": len(skills), "max_tokens": max_tokens,
+              "skill_tokens_mean": round(sum(len(planner.skill_tokens(k)) for k in skills) / len(skills), 1),
+              "zipf": zipf, "max_skills": max_skills, "new_tokens": new_tokens, "block_size": block, "n": n,
+              "seed": ctx.seed, "data": str(ctx.data) if ctx.data else "default",
+              "distinct_questions": len({r.question for r in requests}), "arms": arms,
+              "upstream": ctx.option("upstream", "") or "started by the bench", "prefix_cache_reset": reset,
+              "system": SYSTEM}
+    return BenchResult("skillcache", config, rows, summary)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result.rows
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["arm"].replace(", ", "\n") for r in rows]
+    left.bar(names, [r["skill_hit_rate"] for r in rows])
+    left.set_ylabel("skills block served from cache")
+    right.bar(names, [r["ttft_ms_p50"] for r in rows])
+    right.set_ylabel("TTFT p50 (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
