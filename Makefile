@@ -61,6 +61,7 @@ bench: venv
 	$(BIN)/contextkit bench pipelines --n 40 --json $(BENCH)/pipelines.json
 	$(BIN)/contextkit bench connector --n 40 --json $(BENCH)/connector.json
 	$(BIN)/contextkit bench trace --trace $(BENCH)/ordering-trace.jsonl --n 96 --json $(BENCH)/trace.json
+	$(BIN)/contextkit bench skillcache --n 120 --json $(BENCH)/skillcache.json --plot $(BENCH)/skillcache.png
 
 clean:
 	rm -rf $(VENV) $(BENCH) .pytest_cache .services-logs
