@@ -274,8 +274,9 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
 
     ``tenant`` maps the body's ``contextkit.tenant`` (None when absent) to the tenant the request runs as:
     a server's ``Tenancy.resolve`` for the request's key (it refuses names the key may not use).
-    ``reuse_default``: a request with documents and no ``contextkit.reuse`` reuses them with the default
-    options (serve's KV path); False: only a request that asks (the proxy's connector path, opt-in).
+    ``reuse_default``: a request with documents, skills or earlier turns and no ``contextkit.reuse`` reuses
+    them with the default options (serve's KV path; earlier turns only as an exact prefix); False: only a
+    request that asks (the proxy's connector path, opt-in).
     """
     chat: ChatBody = validate(ChatBody, body)
     opts = chat.contextkit or ContextkitOptions()
@@ -290,8 +291,10 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
         runs_as = tenant(opts.tenant)
     except InputError as exc:
         raise InputError(f"contextkit.tenant: {exc}", "contextkit") from None
-    # the KV path (serve) reuses documents as spans unless told otherwise; a chat without them is a prefill
-    wants = opts.reuse is not None or (reuse_default and bool(docs or skills))
+    # the KV path (serve) reuses documents and skills as spans, and a conversation's earlier turns as an
+    # exact prefix, unless told otherwise; a single-turn chat without them is a plain prefill
+    turns = any(m.role in ("assistant", "tool") for m in messages)
+    wants = opts.reuse is not None or (reuse_default and bool(docs or skills or turns))
     reuse = reuse_options(opts.reuse) if allow_reuse and wants else None
     request = ChatRequest(messages, docs, skills, runs_as, opts.ordering, opts.block_align, reuse,
                           chat.new_tokens or default_max_tokens, documents_at=opts.documents_at)

@@ -263,6 +263,8 @@ class SpanCache:
                     entry = self.store.get(link)
                 if entry is not None:
                     exact.add(i)
+                elif item.exact:  # a conversation turn: exact or computed, never re-positioned
+                    in_context[i] = link
                 else:
                     key = span_key(self.identity, item.span.token_ids, (), plan.tenant)
                     entry = self.store.get(key) if key != link else None
@@ -337,7 +339,8 @@ class SpanCache:
             if link is not None:
                 slots = layout.item_slots[i]
                 self.store.put(cut_span(engine, cache, link, plan.items[i].span.token_ids, slots, self.rerotator))
-                self._borrow(span_key(self.identity, plan.items[i].span.token_ids, (), plan.tenant), link)
+                if not plan.items[i].exact:
+                    self._borrow(span_key(self.identity, plan.items[i].span.token_ids, (), plan.tenant), link)
 
         reused_total = sum(len(p.ids) for p, i in zip(placed, owner) if p.reuse and i not in in_context)
         from_hits = torch.cat([layout.item_slots[i] for i in hit_items]) if hit_items else recompute[:0]

@@ -42,6 +42,9 @@ class PlanItem:
             continues an exact prefix that has no link for it yet, it is re-positioned for this request
             and computed in its place off the request path (``SpanCache.compile_pending``), so later
             requests with that prefix reuse it exactly, nothing recomputed.
+        exact: reused only as an exact prefix (a prefix link: the same tokens after the same spans, for
+            the same tenant), else computed in the new context; never re-positioned. A conversation's
+            turns: their KV depends on every turn before them, so elsewhere they are new tokens.
     """
 
     span: Span
@@ -49,6 +52,7 @@ class PlanItem:
     position: int | None = None
     depends_on: tuple[int, ...] = ()
     anchor: bool = False
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from cachetools import LRUCache
 from contextkit.core.align import align
 from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, render_document, render_erratum, render_frame, render_skill
+from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, Piece, render_document, render_erratum, render_pieces, render_skill
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
@@ -94,7 +94,7 @@ class ChatRequest:
             raise InputError(f"{len(self.skills)} skills in one request; at most {MAX_SKILLS}", "skills")
         if len({s.name for s in self.skills}) < len(self.skills):
             raise InputError("a skill is named twice; send each skill once (one version of it)", "skills")
-        if any(MARK in m.content or SKILLS_MARK in m.content for m in self.messages):
+        if any(MARK in m.content or SKILLS_MARK in m.content or TURN_MARK in m.content for m in self.messages):
             raise InputError("a message contains contextkit's internal marker (NUL characters); remove them",
                              "messages")
 
@@ -119,9 +119,32 @@ def content_id(doc: Evidence) -> str:
     return _content_digest(doc)[:16]
 
 
+def _ids(pieces) -> tuple[int, ...]:
+    return tuple(t for p in pieces for t in p.ids)
+
+
+def _turns(pieces: Sequence[Piece], query: bool = True) -> tuple[PlanItem, ...]:
+    """Plan items of a run of conversation pieces (each ends after an assistant turn, the last one
+    anywhere). With ``query``, a last piece after the model's last turn (the new user or tool messages
+    and the generation prompt) is the query, computed in context. The pieces before are reused only as
+    an exact prefix (their KV depends on every turn before them); a leading piece without an assistant
+    turn (the system prompt up to the documents) is a span like any other."""
+    items = []
+    for j, p in enumerate(pieces):
+        if query and j == len(pieces) - 1 and p.role != "assistant":
+            items.append(PlanItem(Span(p.ids, "query"), reuse=False))
+        elif j == 0 and p.role != "assistant":
+            items.append(PlanItem(Span(p.ids, "system")))
+        else:
+            items.append(PlanItem(Span(p.ids, "history"), exact=True))
+    return tuple(items)
+
+
 def _ids_bytes(value: tuple) -> int:
     """Approximate bytes a cached token tuple holds (tuple slots + small ints), for the LRU bound."""
-    if value and isinstance(value[0], tuple):  # a frame: (prefix, suffix)
+    if isinstance(value, Piece):
+        return 64 + _ids_bytes(value.ids)
+    if value and isinstance(value[0], (tuple, Piece)):  # a frame (three parts) or a part (pieces)
         return sum(_ids_bytes(v) for v in value) + 56
     return 56 + 8 * len(value)
 
@@ -195,8 +218,11 @@ class Planner:
         return [tuple(self.tokenizer.encode(render_erratum(old, new))) for old, new in skill.errata]
 
     def frame(self, request: ChatRequest) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Ids before the skills (or documents), between skills and documents, and after the documents;
-        cached per conversation."""
+        """Ids before the skills (or documents), between skills and documents, and after the documents."""
+        return tuple(tuple(t for p in part for t in p.ids) for part in self.pieces(request))  # type: ignore[return-value]
+
+    def pieces(self, request: ChatRequest) -> tuple[Part, Part, Part]:
+        """``frame``'s three parts cut where messages end (``render_pieces``); cached per conversation."""
         msgs = list(request.messages)
         with_docs, with_skills = bool(request.documents), bool(request.skills)
         if with_docs and request.default_system and not any(m.role == "system" for m in msgs):
@@ -205,8 +231,7 @@ class Planner:
         with self._lock:
             got = self._frames.get(key)
         if got is None:
-            head, middle, tail = render_frame(self.tokenizer, msgs, with_docs, with_skills, request.documents_at)
-            got = (tuple(head), tuple(middle), tuple(tail))
+            got = render_pieces(self.tokenizer, msgs, with_docs, with_skills, request.documents_at)
             with self._lock:
                 self._frames[key] = got
         return got
@@ -239,28 +264,30 @@ class Planner:
         if orderer is not None and request.ordering == "weaver" and docs:
             result = orderer.order(docs, request.tenant, record=False)
         order = result.order if result is not None else tuple(range(len(docs)))
-        head, middle, tail = self.frame(request)
+        head_pieces, middle_pieces, tail_pieces = self.pieces(request)
+        head, middle = _ids(head_pieces), _ids(middle_pieces)
         skills = sorted(request.skills, key=lambda s: (s.name, s.version))  # one canonical order
         # each skill, then its errata (computed in context: they must read the skill they correct)
         pre_items = [(b, s, i) for s in skills for i, b in enumerate([self.skill_tokens(s), *self.errata_tokens(s)])]
         pre = [b for b, _, _ in pre_items] + ([middle] if middle else [])
         blocks = [self.document_tokens(request.documents[i]) for i in order]
         padding = 0
-        if request.block_align and self.block_size > 1:
+        if request.block_align and self.block_size > 1:  # the prompt path: the prefix padded as one run
             aligned = align(head, pre + blocks, self.block_size, self.pad_id)
             head, padding = aligned.prefix, aligned.padding
             pre, blocks = list(aligned.documents[: len(pre)]), list(aligned.documents[len(pre):])
-        if not tail:  # a chat without documents or skills: the whole prompt is the query, computed as it is
-            items: tuple[PlanItem, ...] = (PlanItem(Span(head, "query"), reuse=False),)
+            head_pieces, tail_pieces = (Piece(head, "system"),), (Piece(_ids(tail_pieces), ""),)
+        if not tail_pieces:  # a chat without documents or skills: the conversation, then the query
+            items: tuple[PlanItem, ...] = _turns(head_pieces)
         else:
             items = (
-                *((PlanItem(Span(head, "system")),) if head else ()),
+                *_turns(head_pieces, query=False),
                 # a skill sits at one canonical place: anchored, it becomes an exact prefix there
                 *(PlanItem(Span(b, "skill", (f"{s.name}@{s.version}" if s.version else s.name) + (":erratum" if e else "")),
                            reuse=not e, anchor=not e) for b, (_, s, e) in zip(pre, pre_items)),
                 *((PlanItem(Span(pre[-1], "system")),) if middle else ()),
                 *(PlanItem(Span(b, "document", docs[i].id)) for b, i in zip(blocks, order)),
-                PlanItem(Span(tail, "query"), reuse=False),
+                *_turns(tail_pieces),
             )
         plan = RequestPlan(
             items, request.reuse, request.tenant, order, tuple(docs[i].id for i in order),

@@ -6,6 +6,7 @@ The planner (``contextkit.core.planner``) is the one caller: every entry point r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Skill
@@ -19,6 +20,7 @@ DEFAULT_SYSTEM = (
 # refuses messages that do (a message holding it would move the split).
 MARK = "\x00contextkit-documents\x00"
 SKILLS_MARK = "\x00contextkit-skills\x00"  # where skills go: the end of the system message
+TURN_MARK = "\x00contextkit-turn\x00"  # the end of each message's content: where a conversation's pieces meet
 
 
 def render_skill(skill: Skill) -> str:
@@ -42,11 +44,41 @@ def render_document(doc: Evidence) -> str:
     return f"{head}\n{doc.text.strip()}\n\n"
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A run of a rendered chat's tokens that ends where an assistant message's content ends, or at the
+    end of its part: ``role`` is the role of the message it ends in ("" for the generation prompt)."""
+
+    ids: tuple[int, ...]
+    role: str
+
+
+Part = tuple[Piece, ...]
+
+
 def render_frame(
     tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False,
     documents_at: str = "last",
 ) -> tuple[list[int], list[int], list[int]]:
-    """Token ids before and after the documents of a chat.
+    """Token ids before the skills or documents, between skills and documents, and after the documents
+    (``render_pieces`` joined; see there)."""
+    return tuple(  # type: ignore[return-value]
+        [t for piece in part for t in piece.ids]
+        for part in render_pieces(tokenizer, messages, with_documents, with_skills, documents_at)
+    )
+
+
+def render_pieces(
+    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False,
+    documents_at: str = "last",
+) -> tuple[Part, Part, Part]:
+    """A chat's tokens before the skills or documents, between them, and after the documents, each part cut
+    into pieces after every assistant message (``Piece``).
+
+    Everything up to the model's last turn is the same tokens in every later request of a conversation,
+    so each piece can be reused there as an exact prefix; the pieces join into exactly the tokens the
+    whole part encodes to (a part where a token would straddle a cut stays one piece, and a template
+    that rewrites message content gets no cuts).
 
     With documents they go at the start of the last user message (``documents_at="first"``: the first
     one, so later turns follow them, the layout of a multi-turn session whose documents stay in place),
@@ -70,7 +102,8 @@ def render_frame(
         system = next((m["content"] for m in msgs if m["role"] == "system"), "")
         head = system + "\n\n" if system else ""
         question = msgs[users[-1]]["content"].strip()  # one turn only: the last question
-        return tokenizer.encode(head, add_special_tokens=True), [], tokenizer.encode(f"Question: {question}\nAnswer:")
+        return ((Piece(tuple(tokenizer.encode(head, add_special_tokens=True)), "system"),), (),
+                (Piece(tuple(tokenizer.encode(f"Question: {question}\nAnswer:")), ""),))
     if with_skills:
         sys_at = next((i for i, m in enumerate(msgs) if m["role"] == "system"), None)
         if sys_at is None:
@@ -81,13 +114,39 @@ def render_frame(
             msgs[sys_at]["content"] = (text + "\n\n" if text else "") + SKILLS_MARK
     if with_documents:
         msgs[last]["content"] = MARK + f"Question: {question}"
-    text = tokenizer.render_chat(msgs)
+    roles = [m["role"] for m in msgs]
+    plain = tokenizer.render_chat(msgs)
+    text = tokenizer.render_chat([dict(m, content=m["content"] + TURN_MARK) for m in msgs])
+    if text.replace(TURN_MARK, "") != plain:  # the template rewrites content (strips it): no turn pieces
+        text = plain
     head, middle = text.split(SKILLS_MARK) if with_skills else (text, "")
     if not with_documents:
         # no documents: everything after the skills is the query (without skills, the whole chat is)
-        return (tokenizer.encode(head), [], tokenizer.encode(middle)) if with_skills else (tokenizer.encode(head), [], [])
-    if with_skills:
+        parts = (head, "", middle) if with_skills else (head, "", "")
+    elif with_skills:
         middle, tail = middle.split(MARK)
+        parts = (head, middle, tail)
     else:
         head, tail = head.split(MARK)
-    return tokenizer.encode(head), tokenizer.encode(middle), tokenizer.encode(tail)
+        parts = (head, "", tail)
+    out, ended = [], 0  # ended: messages whose content has ended so far
+    for part in parts:
+        texts: list[tuple[str, str]] = []  # (text, role) per piece: cut after each assistant message
+        run_text = ""
+        runs = part.split(TURN_MARK)
+        for j, run in enumerate(runs):
+            run_text += run
+            role = roles[ended] if ended < len(roles) else ""
+            if j < len(runs) - 1:  # this run ends at a mark: that message's content ended
+                ended += 1
+                if role != "assistant":
+                    continue
+            if run_text:
+                texts.append((run_text, role))
+            run_text = ""
+        whole = tuple(tokenizer.encode(part.replace(TURN_MARK, "")))
+        ids = [tuple(tokenizer.encode(text)) for text, _ in texts]
+        if tuple(t for i in ids for t in i) != whole:  # a token spans a cut: the part stays whole
+            ids, texts = [whole], texts[-1:]
+        out.append(tuple(Piece(i, role) for i, (_, role) in zip(ids, texts) if i))
+    return out[0], out[1], out[2]

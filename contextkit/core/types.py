@@ -42,7 +42,7 @@ class Skill:
             raise EmptyInputError(f"skill {self.name!r} has no text; give it the body of its SKILL.md")
 
 
-SpanKind = Literal["document", "skill", "code", "tool_output", "system", "query"]
+SpanKind = Literal["document", "skill", "code", "tool_output", "history", "system", "query"]
 
 
 @dataclass(frozen=True, slots=True)

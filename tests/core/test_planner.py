@@ -45,7 +45,34 @@ def test_every_turn_is_kept_and_chat_without_documents_renders_as_is(smol_dir):
     plain = planner.plan(ChatRequest(turns))
     msgs = [{"role": m.role, "content": m.content} for m in turns]
     assert plain.ids == tok.encode(tok.render_chat(msgs))  # what vLLM's own template renders
-    assert len(plain.items) == 1 and not plain.items[0].reuse
+    # cut after the model's turn: the conversation so far is an exact-only span, the new turn the query
+    history, query = plain.items
+    assert history.exact and history.reuse and history.span.kind == "history" and not query.reuse
+    assert tok.decode(history.span.token_ids).rstrip().endswith("First answer.")
+    single = planner.plan(ChatRequest(turns[:2]))  # one turn: all of it is the query, as before
+    assert len(single.items) == 1 and not single.items[0].reuse
+
+
+def test_a_conversation_keeps_its_earlier_turns_as_the_same_exact_spans(smol_dir):
+    tok = Tokenizer(smol_dir)
+    planner = Planner(tok)
+    turns = [Message("system", "Be brief."), Message("user", "Which file is broken?")]
+    for docs, at in (((), "last"), (DOCS, "first")):
+        seen = []
+        convo = list(turns)
+        for t in range(3):
+            plan = planner.plan(ChatRequest(tuple(convo), docs, documents_at=at))
+            msgs = [{"role": m.role, "content": m.content} for m in convo]
+            if not docs:
+                assert plan.ids == tok.encode(tok.render_chat(msgs))  # the cuts change no token
+            kept = [it.span.token_ids for it in plan.items if it.exact]
+            assert kept[: len(seen)] == seen and len(kept) == t  # every earlier turn, the same tokens
+            assert all(it.span.kind == "history" for it in plan.items if it.exact)
+            assert plan.items[-1].span.kind == "query" and not plan.items[-1].reuse
+            seen = kept
+            convo += [Message("assistant", f"Answer {t}."), Message("tool", f"output {t}\nline two")]
+    with pytest.raises(InputError, match="marker"):
+        ChatRequest((Message("user", "a \x00contextkit-turn\x00 b"),))
 
 
 def test_ordering_is_asked_without_recording(planner):

@@ -32,6 +32,28 @@ def served(config, app_thread):
     kit.close()
 
 
+def test_an_agent_loop_reuses_its_earlier_turns(served):
+    s, kit, client = served
+    msgs = [{"role": "system", "content": "You are a shell agent. Reply with one command."},
+            {"role": "user", "content": "Find the test that fails in this repository."}]
+    first = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=8, temperature=0)
+    assert not (first.model_extra or {}).get("contextkit")  # one turn, no documents: a plain prefill
+    cached = []
+    for t, out in enumerate(["FAILED tests/test_io.py::test_read - 1 != 2", "def test_read():\n    assert read() == 2"]):
+        msgs += [{"role": "assistant", "content": f"step {t}: pytest -x"}, {"role": "tool", "content": out}]
+        r = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"contextkit": {"tenant": "agent-loop"}})
+        ext = r.model_extra["contextkit"]
+        assert ext["recomputed_tokens"] == 0 and ext["reused_tokens"] == ext["cached_tokens"]  # exact only
+        assert r.usage.prompt_tokens_details.cached_tokens == ext["cached_tokens"]
+        cached.append(ext["cached_tokens"])
+    # the second turn finds the first one's conversation: at least the system prompt, task and first step
+    assert cached[0] == 0 and cached[1] > 0
+    other = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=2, temperature=0,
+                                           extra_body={"contextkit": {"tenant": "someone-else"}})
+    assert other.model_extra["contextkit"]["cached_tokens"] == 0  # another tenant's history is not reused
+
+
 def test_documents_become_spans_reused_by_the_next_request(served, repo):
     s, kit, client = served
     ex = json.loads((repo / "examples" / "question.json").read_text())

@@ -18,7 +18,7 @@ from contextkit.spans.key import span_key
 from contextkit.spans.store import KVSpanStore
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Evidence, Span
+from contextkit.core.types import Evidence, Message, Span
 
 TOL = 1e-3
 
@@ -347,3 +347,29 @@ def test_nothing_after_caller_provided_kv_becomes_an_exact_prefix(smol):
     after = cache._chain_key(items[2].span.token_ids, cache._chain_key(items[1].span.token_ids, system_link, ""), "")
     assert after not in cache.store
     assert span_key(cache.identity, items[2].span.token_ids) in cache.pending  # compiled alone later instead
+
+
+def test_a_conversation_reuses_its_earlier_turns_exactly_and_only_there(smol):
+    engine, tok, _, _, _, _ = smol  # the engine is float32 here: reused turns equal the plain prefill
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    planner = Planner(tok)
+    convo = [Message("system", "You are a shell agent."), Message("user", "Find the failing test.")]
+    for t in range(3):
+        convo += [Message("assistant", f"run pytest -x tests/test_{t}.py"), Message("tool", f"FAILED test_{t}: 1 != 2")]
+        plan = planner.plan(ChatRequest(tuple(convo), reuse=ReuseOptions(), tenant=Tenant("a"), max_new_tokens=4))
+        asm = cache.assemble(plan, extra_capacity=4)
+        r = asm.report
+        turns = [it for it in plan.items if it.exact]
+        assert len(turns) == t + 1
+        # every turn before the newest is an exact prefix the previous request left; nothing else reused
+        assert r.exact_tokens == sum(len(it.span.token_ids) for it in turns[:-1]) == r.reused_tokens
+        assert r.recomputed_tokens == 0
+        plain = engine.forward(engine.new_cache(len(plan.ids)), list(plan.ids))
+        assert (asm.logits - plain).abs().max().item() <= TOL
+    # the same last turns after another start: never taken from this conversation (exact-only spans)
+    other = [Message("system", "You are a careful shell agent."), *convo[1:]]
+    asm = cache.assemble(planner.plan(ChatRequest(tuple(other), reuse=ReuseOptions(), tenant=Tenant("a"))), 4)
+    assert asm.report.exact_tokens == 0 and asm.report.reused_tokens == 0
+    # nor by another tenant
+    asm = cache.assemble(planner.plan(ChatRequest(tuple(convo), reuse=ReuseOptions(), tenant=Tenant("b"))), 4)
+    assert asm.report.exact_tokens == 0
