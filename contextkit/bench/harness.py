@@ -39,6 +39,7 @@ BENCHES = {
     "robustness": "contextkit.bench.robustness",
     "skills": "contextkit.bench.skills",
     "synthesis": "contextkit.bench.synthesis",
+    "agent": "contextkit.bench.agent",
     "pipelines": "contextkit.bench.pipelines",
     "connector": "contextkit.bench.connector",
     "trace": "contextkit.bench.trace",
