@@ -247,8 +247,11 @@ class SpanCache:
         chain: SpanKey | None = None
         exact_run = not opts.separator
         compile_ms = fetch_ms = 0.0
+        query_links: dict[int, SpanKey] = {}  # computed items kept as prefix links (a conversation's newest turn)
         for i, item in enumerate(plan.items):
             if not item.reuse:
+                if item.exact and exact_run:
+                    query_links[i] = self._chain_key(item.span.token_ids, chain, plan.tenant)
                 exact_run = False
                 continue
             t0 = time.perf_counter()
@@ -335,7 +338,7 @@ class SpanCache:
         compute_ms = (time.perf_counter() - t0) * 1e3
         assert logits is not None
         # spans computed in context after an exact prefix hold exact KV: keep them as prefix links
-        for i, link in in_context.items():
+        for i, link in (*in_context.items(), *query_links.items()):
             if link is not None:
                 slots = layout.item_slots[i]
                 self.store.put(cut_span(engine, cache, link, plan.items[i].span.token_ids, slots, self.rerotator))

@@ -44,7 +44,9 @@ class PlanItem:
             requests with that prefix reuse it exactly, nothing recomputed.
         exact: reused only as an exact prefix (a prefix link: the same tokens after the same spans, for
             the same tenant), else computed in the new context; never re-positioned. A conversation's
-            turns: their KV depends on every turn before them, so elsewhere they are new tokens.
+            turns: their KV depends on every turn before them, so elsewhere they are new tokens. On an
+            item that is not reused (the query) it means: once computed after an exact prefix, keep it
+            as a prefix link (the next request of the conversation starts with it).
     """
 
     span: Span

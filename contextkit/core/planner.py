@@ -27,7 +27,7 @@ from cachetools import LRUCache
 from contextkit.core.align import align
 from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, Piece, render_document, render_erratum, render_pieces, render_skill
+from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces, render_skill
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
@@ -119,32 +119,30 @@ def content_id(doc: Evidence) -> str:
     return _content_digest(doc)[:16]
 
 
-def _ids(pieces) -> tuple[int, ...]:
-    return tuple(t for p in pieces for t in p.ids)
+def _ids(pieces: Part) -> tuple[int, ...]:
+    return tuple(t for p in pieces for t in p)
 
 
-def _turns(pieces: Sequence[Piece], query: bool = True) -> tuple[PlanItem, ...]:
-    """Plan items of a run of conversation pieces (each ends after an assistant turn, the last one
-    anywhere). With ``query``, a last piece after the model's last turn (the new user or tool messages
-    and the generation prompt) is the query, computed in context. The pieces before are reused only as
-    an exact prefix (their KV depends on every turn before them); a leading piece without an assistant
-    turn (the system prompt up to the documents) is a span like any other."""
+def _turns(pieces: Part, query: bool = True) -> tuple[PlanItem, ...]:
+    """Plan items of a run of conversation pieces (cut where the model's turns start). With ``query``,
+    the last piece is the query: computed in context, and kept as an exact prefix for the next request
+    of the conversation. The pieces before it are reused only as an exact prefix (their KV depends on
+    every turn before them); without ``query`` (the prompt before documents or skills) the first piece
+    is a span like any other, as the system prompt."""
     items = []
-    for j, p in enumerate(pieces):
-        if query and j == len(pieces) - 1 and p.role != "assistant":
-            items.append(PlanItem(Span(p.ids, "query"), reuse=False))
-        elif j == 0 and p.role != "assistant":
-            items.append(PlanItem(Span(p.ids, "system")))
+    for j, ids in enumerate(pieces):
+        if query and j == len(pieces) - 1:
+            items.append(PlanItem(Span(ids, "query"), reuse=False, exact=True))
+        elif j == 0 and not query:
+            items.append(PlanItem(Span(ids, "system")))
         else:
-            items.append(PlanItem(Span(p.ids, "history"), exact=True))
+            items.append(PlanItem(Span(ids, "history"), exact=True))
     return tuple(items)
 
 
 def _ids_bytes(value: tuple) -> int:
     """Approximate bytes a cached token tuple holds (tuple slots + small ints), for the LRU bound."""
-    if isinstance(value, Piece):
-        return 64 + _ids_bytes(value.ids)
-    if value and isinstance(value[0], (tuple, Piece)):  # a frame (three parts) or a part (pieces)
+    if value and isinstance(value[0], tuple):  # a frame (three parts of pieces) or a part
         return sum(_ids_bytes(v) for v in value) + 56
     return 56 + 8 * len(value)
 
@@ -219,7 +217,7 @@ class Planner:
 
     def frame(self, request: ChatRequest) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """Ids before the skills (or documents), between skills and documents, and after the documents."""
-        return tuple(tuple(t for p in part for t in p.ids) for part in self.pieces(request))  # type: ignore[return-value]
+        return tuple(_ids(part) for part in self.pieces(request))  # type: ignore[return-value]
 
     def pieces(self, request: ChatRequest) -> tuple[Part, Part, Part]:
         """``frame``'s three parts cut where messages end (``render_pieces``); cached per conversation."""
@@ -276,7 +274,7 @@ class Planner:
             aligned = align(head, pre + blocks, self.block_size, self.pad_id)
             head, padding = aligned.prefix, aligned.padding
             pre, blocks = list(aligned.documents[: len(pre)]), list(aligned.documents[len(pre):])
-            head_pieces, tail_pieces = (Piece(head, "system"),), (Piece(_ids(tail_pieces), ""),)
+            head_pieces, tail_pieces = (tuple(head),), ((_ids(tail_pieces),) if tail_pieces else ())
         if not tail_pieces:  # a chat without documents or skills: the conversation, then the query
             items: tuple[PlanItem, ...] = _turns(head_pieces)
         else:

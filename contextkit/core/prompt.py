@@ -6,7 +6,6 @@ The planner (``contextkit.core.planner``) is the one caller: every entry point r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Skill
@@ -20,7 +19,7 @@ DEFAULT_SYSTEM = (
 # refuses messages that do (a message holding it would move the split).
 MARK = "\x00contextkit-documents\x00"
 SKILLS_MARK = "\x00contextkit-skills\x00"  # where skills go: the end of the system message
-TURN_MARK = "\x00contextkit-turn\x00"  # the end of each message's content: where a conversation's pieces meet
+TURN_MARK = "\x00contextkit-turn\x00"  # the start of each assistant message's content: where a conversation is cut
 
 
 def render_skill(skill: Skill) -> str:
@@ -44,16 +43,7 @@ def render_document(doc: Evidence) -> str:
     return f"{head}\n{doc.text.strip()}\n\n"
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """A run of a rendered chat's tokens that ends where an assistant message's content ends, or at the
-    end of its part: ``role`` is the role of the message it ends in ("" for the generation prompt)."""
-
-    ids: tuple[int, ...]
-    role: str
-
-
-Part = tuple[Piece, ...]
+Part = tuple[tuple[int, ...], ...]  # a part of a rendered chat, as pieces of token ids
 
 
 def render_frame(
@@ -63,7 +53,7 @@ def render_frame(
     """Token ids before the skills or documents, between skills and documents, and after the documents
     (``render_pieces`` joined; see there)."""
     return tuple(  # type: ignore[return-value]
-        [t for piece in part for t in piece.ids]
+        [t for piece in part for t in piece]
         for part in render_pieces(tokenizer, messages, with_documents, with_skills, documents_at)
     )
 
@@ -73,12 +63,13 @@ def render_pieces(
     documents_at: str = "last",
 ) -> tuple[Part, Part, Part]:
     """A chat's tokens before the skills or documents, between them, and after the documents, each part cut
-    into pieces after every assistant message (``Piece``).
+    into pieces where an assistant message's content starts.
 
-    Everything up to the model's last turn is the same tokens in every later request of a conversation,
-    so each piece can be reused there as an exact prefix; the pieces join into exactly the tokens the
-    whole part encodes to (a part where a token would straddle a cut stays one piece, and a template
-    that rewrites message content gets no cuts).
+    A request ends with the generation prompt, which is where the next request of the conversation puts
+    the model's answer: cut there, every piece of a request is a piece of the next one, so the next
+    request can reuse all of it as an exact prefix and compute only the answer and what follows it. The
+    pieces join into exactly the tokens the whole part encodes to (a part where a token would straddle a
+    cut stays one piece, and a template that rewrites message content gets no cuts).
 
     With documents they go at the start of the last user message (``documents_at="first"``: the first
     one, so later turns follow them, the layout of a multi-turn session whose documents stay in place),
@@ -102,8 +93,8 @@ def render_pieces(
         system = next((m["content"] for m in msgs if m["role"] == "system"), "")
         head = system + "\n\n" if system else ""
         question = msgs[users[-1]]["content"].strip()  # one turn only: the last question
-        return ((Piece(tuple(tokenizer.encode(head, add_special_tokens=True)), "system"),), (),
-                (Piece(tuple(tokenizer.encode(f"Question: {question}\nAnswer:")), ""),))
+        return ((tuple(tokenizer.encode(head, add_special_tokens=True)),), (),
+                (tuple(tokenizer.encode(f"Question: {question}\nAnswer:")),))
     if with_skills:
         sys_at = next((i for i, m in enumerate(msgs) if m["role"] == "system"), None)
         if sys_at is None:
@@ -114,10 +105,10 @@ def render_pieces(
             msgs[sys_at]["content"] = (text + "\n\n" if text else "") + SKILLS_MARK
     if with_documents:
         msgs[last]["content"] = MARK + f"Question: {question}"
-    roles = [m["role"] for m in msgs]
     plain = tokenizer.render_chat(msgs)
-    text = tokenizer.render_chat([dict(m, content=m["content"] + TURN_MARK) for m in msgs])
-    if text.replace(TURN_MARK, "") != plain:  # the template rewrites content (strips it): no turn pieces
+    text = tokenizer.render_chat([dict(m, content=TURN_MARK + m["content"]) if m["role"] == "assistant" else m
+                                  for m in msgs])
+    if text.replace(TURN_MARK, "") != plain:  # the template rewrites content (strips it): no cuts
         text = plain
     head, middle = text.split(SKILLS_MARK) if with_skills else (text, "")
     if not with_documents:
@@ -129,24 +120,11 @@ def render_pieces(
     else:
         head, tail = head.split(MARK)
         parts = (head, "", tail)
-    out, ended = [], 0  # ended: messages whose content has ended so far
+    out = []
     for part in parts:
-        texts: list[tuple[str, str]] = []  # (text, role) per piece: cut after each assistant message
-        run_text = ""
-        runs = part.split(TURN_MARK)
-        for j, run in enumerate(runs):
-            run_text += run
-            role = roles[ended] if ended < len(roles) else ""
-            if j < len(runs) - 1:  # this run ends at a mark: that message's content ended
-                ended += 1
-                if role != "assistant":
-                    continue
-            if run_text:
-                texts.append((run_text, role))
-            run_text = ""
         whole = tuple(tokenizer.encode(part.replace(TURN_MARK, "")))
-        ids = [tuple(tokenizer.encode(text)) for text, _ in texts]
-        if tuple(t for i in ids for t in i) != whole:  # a token spans a cut: the part stays whole
-            ids, texts = [whole], texts[-1:]
-        out.append(tuple(Piece(i, role) for i, (_, role) in zip(ids, texts) if i))
+        pieces = [tuple(tokenizer.encode(run)) for run in part.split(TURN_MARK) if run]
+        if tuple(t for p in pieces for t in p) != whole:  # a token spans a cut: the part stays whole
+            pieces = [whole]
+        out.append(tuple(p for p in pieces if p))
     return out[0], out[1], out[2]

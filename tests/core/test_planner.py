@@ -45,10 +45,12 @@ def test_every_turn_is_kept_and_chat_without_documents_renders_as_is(smol_dir):
     plain = planner.plan(ChatRequest(turns))
     msgs = [{"role": m.role, "content": m.content} for m in turns]
     assert plain.ids == tok.encode(tok.render_chat(msgs))  # what vLLM's own template renders
-    # cut after the model's turn: the conversation so far is an exact-only span, the new turn the query
+    # cut where the model's turn starts: the request before this one, an exact-only span; from the
+    # model's answer on, the query (kept as an exact prefix for the next request)
     history, query = plain.items
-    assert history.exact and history.reuse and history.span.kind == "history" and not query.reuse
-    assert tok.decode(history.span.token_ids).rstrip().endswith("First answer.")
+    assert history.exact and history.reuse and history.span.kind == "history" and not query.reuse and query.exact
+    assert "First question?" in tok.decode(history.span.token_ids)
+    assert tok.decode(query.span.token_ids).startswith("First answer.")
     single = planner.plan(ChatRequest(turns[:2]))  # one turn: all of it is the query, as before
     assert len(single.items) == 1 and not single.items[0].reuse
 
@@ -65,11 +67,11 @@ def test_a_conversation_keeps_its_earlier_turns_as_the_same_exact_spans(smol_dir
             msgs = [{"role": m.role, "content": m.content} for m in convo]
             if not docs:
                 assert plan.ids == tok.encode(tok.render_chat(msgs))  # the cuts change no token
-            kept = [it.span.token_ids for it in plan.items if it.exact]
-            assert kept[: len(seen)] == seen and len(kept) == t  # every earlier turn, the same tokens
-            assert all(it.span.kind == "history" for it in plan.items if it.exact)
+            kept = [it.span.token_ids for it in plan.items if it.exact and it.reuse]
+            # every earlier request's pieces, the same tokens, its query among them
+            assert kept == seen and all(it.span.kind == "history" for it in plan.items if it.exact and it.reuse)
             assert plan.items[-1].span.kind == "query" and not plan.items[-1].reuse
-            seen = kept
+            seen = [*kept, plan.items[-1].span.token_ids]
             convo += [Message("assistant", f"Answer {t}."), Message("tool", f"output {t}\nline two")]
     with pytest.raises(InputError, match="marker"):
         ChatRequest((Message("user", "a \x00contextkit-turn\x00 b"),))

@@ -359,10 +359,11 @@ def test_a_conversation_reuses_its_earlier_turns_exactly_and_only_there(smol):
         plan = planner.plan(ChatRequest(tuple(convo), reuse=ReuseOptions(), tenant=Tenant("a"), max_new_tokens=4))
         asm = cache.assemble(plan, extra_capacity=4)
         r = asm.report
-        turns = [it for it in plan.items if it.exact]
+        turns = [it for it in plan.items if it.exact and it.reuse]
         assert len(turns) == t + 1
-        # every turn before the newest is an exact prefix the previous request left; nothing else reused
-        assert r.exact_tokens == sum(len(it.span.token_ids) for it in turns[:-1]) == r.reused_tokens
+        # after the first request, all of the previous request is an exact prefix it left (its query
+        # too): only the model's answer and the new tool output are computed; nothing else reused
+        assert r.exact_tokens == (sum(len(it.span.token_ids) for it in turns) if t else 0) == r.reused_tokens
         assert r.recomputed_tokens == 0
         plain = engine.forward(engine.new_cache(len(plan.ids)), list(plan.ids))
         assert (asm.logits - plain).abs().max().item() <= TOL
