@@ -133,3 +133,22 @@ def test_bench_synthesis_small_run(tmp_path, smol_dir, cli):
     assert sum(r["default"] for r in result["rows"]) == 1
     proc = cli("bench", "synthesis", "--n", "1", "--set", "read=everything")
     assert proc.returncode == 2 and "read=" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_agent_small_run(tmp_path, smol_dir, shared_data, cli):
+    traces = shared_data / "traces" / "swe_agent_traces.jsonl"
+    if not traces.is_file():
+        pytest.skip("the shared agent traces are not on this machine")
+    out = tmp_path / "agent.json"
+    proc = cli("bench", "agent", "--n", "2", "--set", "max_tokens=1600", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    for key in ("speedup_vs_full", "kl_p50", "top1_agreement", "reused_share", "repeated_tool_outputs"):
+        assert key in s, key
+    assert s["requests"] >= 2 and 0 < s["reused_share"] < 1  # later turns reuse the earlier ones
+    assert s["kl_max"] < 0.05  # exact KV: only bf16 rounding between chunked and whole prefill
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "not a trajectory"}\n')
+    proc = cli("bench", "agent", "--data", str(bad))
+    assert proc.returncode == 2 and "trajectory" in proc.stderr and "Traceback" not in proc.stderr
