@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from contextkit.bench.data import load_records, sample
+from contextkit.bench.data import load_records, sample, split
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
@@ -44,7 +44,9 @@ DEFAULT = f"kv default (query_attention r={ReuseOptions().ratio}, <={ReuseOption
 def methods() -> dict[str, ReuseOptions]:
     return {
         "kv reuse": ReuseOptions(policy="none", first_k=0),
+        "kv query_attention r=0.05": ReuseOptions(ratio=0.05, max_recompute=None),
         "kv query_attention r=0.1": ReuseOptions(ratio=0.1, max_recompute=None),
+        "kv query_attention r=0.2": ReuseOptions(ratio=0.2, max_recompute=None),
         DEFAULT: ReuseOptions(),
     }
 
@@ -58,7 +60,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     reads = [r.strip() for r in ctx.option("read", "notes,transcripts", str).split(",")]
     if not reads or any(r not in READS for r in reads):
         raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), got {ctx.option('read', '', str)!r}")
-    records = sample(load_records(ctx.data), ctx.count(24), ctx.seed)
+    part = ctx.option("split", "all", str)
+    records = sample(split(load_records(ctx.data), part), ctx.count(24), ctx.seed)
     table = methods()
     dflt = DEFAULT
     kit = ContextKit(ctx.config)
@@ -136,7 +139,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         summary.update({f"{read}_{k}": v for k, v in keys.items()})
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
               "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens,
-              "read": reads}
+              "read": reads, "split": part}
     return BenchResult("synthesis", config, rows, summary)
 
 
