@@ -152,6 +152,7 @@ def run_errata(kit, band: Sequence[Skill], system: str, tick: Tick, counts: Sequ
         cloze = line.replace(new, "____", 1)[:240]
         question = f'The skill says: "{cloze}". What exactly goes in the blank? Answer with the value only.'
         prefers, extra = {}, {}
+        room = max(len(kit.tokenizer.encode(v)) for v in (old, new)) + 2  # slots to score an answer in
         for name in ("recompiled", "stale", "erratum", "overwrite"):
             tick(f"erratum {name} {s.name} ({len(edits)} edits)")
             skill = {"recompiled": edited, "stale": s, "overwrite": edited,
@@ -163,13 +164,13 @@ def run_errata(kit, band: Sequence[Skill], system: str, tick: Tick, counts: Sequ
             if name == "recompiled":  # full prefill, observed: how much of the answer reads the field itself
                 stale_ids = planner.plan(ChatRequest.ask(question, skills=(s,), system=system)).ids
                 probe = _FieldAttention(kit.engine.spec.num_layers, _edited_slots(plan.ids, stale_ids))
-                cache = kit.engine.new_cache(len(plan.ids) + 16)
+                cache = kit.engine.new_cache(len(plan.ids) + room)
                 asm = _Prefilled(cache, kit.engine.forward(cache, plan.ids, probe=probe))
                 extra["field_attention"] = sum(probe.shares) / len(probe.shares)
             elif name == "overwrite":
-                asm = _overwrite(kit, plan, planner.skill_tokens(s))
+                asm = _overwrite(kit, plan, planner.skill_tokens(s), room)
             else:
-                asm = spans.assemble(plan, extra_capacity=16)
+                asm = spans.assemble(plan, extra_capacity=room)
             ttft[name].append((time.perf_counter() - t0) * 1e3)
             prefers[name] = _score(kit, asm, new) - _score(kit, asm, old)
         share = sum(len(o) * s.text.count(o) for o, _ in pairs) / max(1, len(s.text))
@@ -211,7 +212,7 @@ def run_errata(kit, band: Sequence[Skill], system: str, tick: Tick, counts: Sequ
     }
 
 
-def _overwrite(kit, plan: RequestPlan, original_ids: tuple[int, ...]):
+def _overwrite(kit, plan: RequestPlan, original_ids: tuple[int, ...], room: int):
     """Assemble ``plan`` (whose skill is the edited text) from the original skill's compiled KV: every
     token run the two texts share keeps the original's KV (re-positioned), the edited tokens are
     computed in context, nothing else is recomputed."""
@@ -238,4 +239,4 @@ def _overwrite(kit, plan: RequestPlan, original_ids: tuple[int, ...]):
         items.append(PlanItem(Span(ids, "skill", f"run@{a1}")))
     items.extend(plan.items[i + 1:])
     none = ReuseOptions(policy="none", first_k=0)
-    return spans.assemble(RequestPlan(tuple(items), none, tenant), extra_capacity=16)
+    return spans.assemble(RequestPlan(tuple(items), none, tenant), extra_capacity=room)
