@@ -57,7 +57,8 @@ bench: venv
 	$(BIN)/contextkit bench proxy --n 100 --trace $(BENCH)/ordering-trace.jsonl --set soak_s=300 --json $(BENCH)/proxy.json --plot $(BENCH)/proxy.png
 	$(BIN)/contextkit bench robustness --json $(BENCH)/robustness.json
 	$(BIN)/contextkit bench skills --json $(BENCH)/skills.json
-	$(BIN)/contextkit bench synthesis --n 24 --json $(BENCH)/synthesis.json
+	$(BIN)/contextkit bench synthesis --n 24 --set split=heldout --json $(BENCH)/synthesis.json
+	$(BIN)/contextkit bench agent --json $(BENCH)/agent.json
 	$(BIN)/contextkit bench pipelines --n 40 --json $(BENCH)/pipelines.json
 	$(BIN)/contextkit bench connector --n 40 --json $(BENCH)/connector.json
 	$(BIN)/contextkit bench trace --trace $(BENCH)/ordering-trace.jsonl --n 96 --json $(BENCH)/trace.json
