@@ -220,7 +220,8 @@ class Planner:
         return tuple(_ids(part) for part in self.pieces(request))  # type: ignore[return-value]
 
     def pieces(self, request: ChatRequest) -> tuple[Part, Part, Part]:
-        """``frame``'s three parts cut where messages end (``render_pieces``); cached per conversation."""
+        """``frame``'s three parts cut where assistant messages start (``render_pieces``); cached per
+        conversation."""
         msgs = list(request.messages)
         with_docs, with_skills = bool(request.documents), bool(request.skills)
         if with_docs and request.default_system and not any(m.role == "system" for m in msgs):

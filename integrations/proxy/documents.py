@@ -24,7 +24,7 @@ from contextkit.core.tenant import Tenant
 from contextkit.integrations.cacheblend import blend_prompt_ids
 from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
-from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, spans_of
+from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, segments_of, spans_of
 from contextkit.integrations.upstreams import Upstream
 
 
@@ -79,7 +79,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         out["cache_salt"] = pic_salt(salt, request.reuse)
         reuse = {"path": "connector", "spans": len(out["kv_transfer_params"]["contextkit"]["spans"])}
     elif request.reuse is not None:  # CacheBlend: segments joined by LMCache's separator
-        segments = [it.span.token_ids for it in plan.items if it.span.token_ids]
+        segments = segments_of(plan)
         out["prompt"] = blend_prompt_ids(segments, ups.blend_separator(planner.tokenizer))
         reuse = {"path": "cacheblend", "segments": len(segments)}
     payload = json.dumps(out).encode()

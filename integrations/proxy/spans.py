@@ -51,13 +51,33 @@ def check_options(connector: str, fields: dict) -> None:
 
 
 def spans_of(plan: RequestPlan) -> list[tuple[int, int]]:
-    """Token ranges of the plan's reused items (system head, skills, documents), in prompt order."""
+    """Token ranges of the plan's position-free spans (system head, skills, documents), in prompt order.
+    A conversation's earlier turns are exact-only (``PlanItem.exact``): never a span the upstream
+    re-positions; its prefix cache serves them where they are a prefix."""
     out, pos = [], 0
     for item in plan.items:
         n = len(item.span.token_ids)
-        if item.reuse and n:
+        if item.reuse and not item.exact and n:
             out.append((pos, pos + n))
         pos += n
+    return out
+
+
+def segments_of(plan: RequestPlan) -> list[tuple[int, ...]]:
+    """The prompt's runs for a blending upstream: each span alone, a conversation's pieces joined to the
+    run they continue (the system prompt before the documents, or one another after them), so a turn
+    boundary never becomes a segment boundary."""
+    out: list[tuple[int, ...]] = []
+    prev = None
+    for item in plan.items:
+        ids, kind = item.span.token_ids, item.span.kind
+        if not ids:
+            continue
+        if out and ((kind == "history" and prev in ("system", "history")) or (kind == "query" and prev == "history")):
+            out[-1] = out[-1] + tuple(ids)
+        else:
+            out.append(tuple(ids))
+        prev = kind
     return out
 
 

@@ -459,3 +459,27 @@ def test_a_skill_set_is_one_prefix_vllm_keeps_warm(proxy, clients, shared_data):
     assert again.usage.prompt_tokens_details.cached_tokens >= whole
     assert again.model_extra["contextkit"]["cached_tokens"] == again.usage.prompt_tokens_details.cached_tokens
     assert other.usage.prompt_tokens_details.cached_tokens == other.model_extra["contextkit"]["cached_tokens"] == 0
+
+
+def test_a_conversation_is_never_cut_into_connector_spans(smol_dir):
+    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Evidence, Message
+    from contextkit.integrations.proxy.spans import segments_of, spans_of
+
+    planner = Planner(Tokenizer(smol_dir))
+    docs = (Evidence("Paris is in France.", "d1"), Evidence("Rome is in Italy.", "d2"))
+    turns = (Message("system", "Be brief."), Message("user", "Where is Paris?"), Message("assistant", "France."),
+             Message("tool", "lookup: ok"), Message("user", "And Rome?"))
+    for at, n_head in (("first", 1), ("last", 2)):  # documents after the first question, or the last
+        plan = planner.plan(ChatRequest(turns, docs, documents_at=at, ordering="retrieval"))
+        assert any(it.exact and it.reuse for it in plan.items)  # the conversation has earlier turns
+        # the connector re-positions only the system head and the documents, never a turn
+        kinds = [it.span.kind for it in plan.items if it.reuse and not it.exact]
+        assert kinds == ["system", "document", "document"] and len(spans_of(plan)) == 3
+        # a blending upstream sees the prompt's runs as before: head, each document, the rest
+        segments = segments_of(plan)
+        assert [t for s in segments for t in s] == list(plan.ids) and len(segments) == 1 + len(docs) + 1
+        assert sum(it.span.kind == "history" for it in plan.items) >= n_head - 1
+    single = planner.plan(ChatRequest.ask("Where is Paris?", docs, ordering="retrieval"))
+    assert segments_of(single) == [tuple(it.span.token_ids) for it in single.items]
