@@ -46,18 +46,6 @@ def render_document(doc: Evidence) -> str:
 Part = tuple[tuple[int, ...], ...]  # a part of a rendered chat, as pieces of token ids
 
 
-def render_frame(
-    tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False,
-    documents_at: str = "last",
-) -> tuple[list[int], list[int], list[int]]:
-    """Token ids before the skills or documents, between skills and documents, and after the documents
-    (``render_pieces`` joined; see there)."""
-    return tuple(  # type: ignore[return-value]
-        [t for piece in part for t in piece]
-        for part in render_pieces(tokenizer, messages, with_documents, with_skills, documents_at)
-    )
-
-
 def render_pieces(
     tokenizer: Tokenizer, messages: Sequence[Message], with_documents: bool = True, with_skills: bool = False,
     documents_at: str = "last",
@@ -105,11 +93,12 @@ def render_pieces(
             msgs[sys_at]["content"] = (text + "\n\n" if text else "") + SKILLS_MARK
     if with_documents:
         msgs[last]["content"] = MARK + f"Question: {question}"
-    plain = tokenizer.render_chat(msgs)
-    text = tokenizer.render_chat([dict(m, content=TURN_MARK + m["content"]) if m["role"] == "assistant" else m
-                                  for m in msgs])
-    if text.replace(TURN_MARK, "") != plain:  # the template rewrites content (strips it): no cuts
-        text = plain
+    text = tokenizer.render_chat(msgs)
+    if any(m["role"] == "assistant" for m in msgs):  # cuts: rendered again with a mark where each answer starts
+        marked = tokenizer.render_chat([dict(m, content=TURN_MARK + m["content"]) if m["role"] == "assistant"
+                                        else m for m in msgs])
+        if marked.replace(TURN_MARK, "") == text:  # else the template rewrites content (strips it): no cuts
+            text = marked
     head, middle = text.split(SKILLS_MARK) if with_skills else (text, "")
     if not with_documents:
         # no documents: everything after the skills is the query (without skills, the whole chat is)
@@ -122,9 +111,10 @@ def render_pieces(
         parts = (head, "", tail)
     out = []
     for part in parts:
-        whole = tuple(tokenizer.encode(part.replace(TURN_MARK, "")))
         pieces = [tuple(tokenizer.encode(run)) for run in part.split(TURN_MARK) if run]
-        if tuple(t for p in pieces for t in p) != whole:  # a token spans a cut: the part stays whole
-            pieces = [whole]
+        if len(pieces) > 1:
+            whole = tuple(tokenizer.encode(part.replace(TURN_MARK, "")))
+            if tuple(t for p in pieces for t in p) != whole:  # a token spans a cut: the part stays whole
+                pieces = [whole]
         out.append(tuple(p for p in pieces if p))
     return out[0], out[1], out[2]
