@@ -54,6 +54,17 @@ class Selection:
     estimated_deviation: float | None = None
 
 
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention weights in float32 as a probe sees them: q (H, rows, D), k (Hkv, T, D) shared by groups
+    of heads, mask (rows, T) bool or None -> (H, rows, T)."""
+    h, hkv = q.shape[0], k.shape[0]
+    kk = k.repeat_interleave(h // hkv, dim=0).float()  # (H, T, D)
+    logits = torch.einsum("hrd,htd->hrt", q.float(), kk) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask[None], float("-inf"))
+    return logits.softmax(-1)
+
+
 class _AttentionMass:
     """Probe: attention the query rows give each key slot, weighted by the slot's value norm."""
 
@@ -64,11 +75,7 @@ class _AttentionMass:
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> None:
         h, hkv = q.shape[0], k.shape[0]
-        kk = k.repeat_interleave(h // hkv, dim=0).float()  # (H, T, D)
-        logits = torch.einsum("hrd,htd->hrt", q.float(), kk) * scale
-        if mask is not None:
-            logits = logits.masked_fill(~mask[None], float("-inf"))
-        probs = logits.softmax(-1)  # (H, rows, T)
+        probs = attention_probs(q, k, mask, scale)  # (H, rows, T)
         vnorm = self.cache.v[layer, :, : k.shape[1]].float().norm(dim=-1)  # (Hkv, T)
         vnorm = vnorm.repeat_interleave(h // hkv, dim=0)[:, None, :]
         self.score += (probs * vnorm).sum(dim=(0, 1))

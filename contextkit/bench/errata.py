@@ -46,6 +46,7 @@ from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill, Span
 from contextkit.spans.compile import rotate_layers
 from contextkit.spans.key import span_key
+from contextkit.spans.recompute import attention_probs
 from contextkit.spans.store import CompiledSpan
 
 METHODS = ("stale", "erratum", "overwrite")
@@ -92,12 +93,8 @@ class _FieldAttention:
         self.shares: list[float] = []
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> None:
-        h, hkv = q.shape[0], k.shape[0]
-        kk = k.repeat_interleave(h // hkv, dim=0).float()  # (H, T, D)
-        logits = torch.einsum("hd,htd->ht", q[:, -1].float(), kk) * scale
-        if mask is not None:
-            logits = logits.masked_fill(~mask[-1][None], float("-inf"))
-        self.shares.append(float(logits.softmax(-1)[:, self.slots].sum(-1).mean()))
+        probs = attention_probs(q[:, -1:], k, None if mask is None else mask[-1:], scale)[:, 0]  # (H, T)
+        self.shares.append(float(probs[:, self.slots].sum(-1).mean()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
