@@ -11,8 +11,9 @@ Per request, in the same run, on one engine:
 - ``full``: the plain prefill of the prompt (what a framework in front of an engine without a prefix
   cache pays every turn);
 - ``turns`` (the default): the planner's plan with the default ``ReuseOptions``: the conversation is
-  cut where messages end, the earlier turns are exact prefix links the previous request left
-  (``PlanItem.exact``: never re-positioned), the new messages are computed in context.
+  cut where each assistant message starts, the previous request is an exact prefix link it left
+  (``PlanItem.exact``: never re-positioned), the answer and the messages after it are computed in
+  context.
 
 Per method TTFT (assembly or prefill to the first token's logits); fidelity of ``turns`` vs ``full`` as
 next-token KL and top-1 agreement (both bf16: the turns path computes the same tokens in chunks, so the
@@ -84,8 +85,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         requests = []
         for tid, msgs in trajectories:
             seen = set()
-            for m in msgs:
-                if m.role in ("tool", "user") and m is not msgs[1]:
+            for m in msgs[2:]:  # after the system prompt and the task: observations
+                if m.role in ("tool", "user"):
                     outputs += 1
                     repeated += m.content in seen
                     seen.add(m.content)
