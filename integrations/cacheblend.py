@@ -344,3 +344,37 @@ def blend_prompt_ids(segments: Sequence[Sequence[int]], separator_ids: Sequence[
             "from the segment, or choose another CacheBlendConfig.separator."
         )
     return out
+
+
+def refuse_unasked_blend(*, separator: str, separator_ids: Sequence[int], prompt_ids: Sequence[int] | None = None,
+                         body: object = None, encode=None) -> None:
+    """Refuse a prompt that did not opt in to blending but holds the blend separator.
+
+    A blending upstream blends ANY prompt whose token ids contain ``separator_ids``, opt-in or not: it
+    would serve that prompt's segments from KV cached for other prompts (approximate KV the request never
+    asked for). Checked on the token ids where the proxy rendered them (``prompt_ids``), else on every
+    string of a client's JSON ``body``: its text (the separator, stripped) and its tokens (``encode``;
+    a string tokenized alone can differ from the template's tokens at its edges, so both are checked).
+
+    Raises:
+        InputError: the prompt holds the separator.
+    """
+    found = prompt_ids is not None and bool(_occurrences(prompt_ids, separator_ids))
+    text = separator.strip() or separator
+    stack = [body] if body is not None else []
+    while stack and not found:
+        v = stack.pop()
+        if isinstance(v, str):
+            found = text in v or (encode is not None and bool(_occurrences(encode(v), separator_ids)))
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            if v and all(type(x) is int for x in v):  # a prompt given as token ids
+                found = bool(_occurrences(v, separator_ids))
+            else:
+                stack.extend(v)
+    if found:
+        raise InputError(f"the prompt contains the tokens of {separator!r}, the separator this deployment's "
+                         "CacheBlend upstream splits prompts at, so the upstream would serve parts of it from other "
+                         "prompts' KV. Remove that text, or opt in to blending with contextkit.reuse on a "
+                         "documents request")

@@ -313,7 +313,7 @@ def error_body(status_or_exc: int | BaseException, message: str | None = None, p
     else:
         status = status_or_exc
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+            413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
             502: "upstream_error", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")  # fmt: skip
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 

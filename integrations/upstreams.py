@@ -27,6 +27,7 @@ from contextkit.ordering.weaver import Weaver
 class Upstream:
     url: str
     weaver: Weaver  # a model of what this server's prefix cache holds (the planner's orderer)
+    name: str = ""  # what clients see ("upstream-0"): the URL is the operator's, never in a response
     healthy: bool = True
     inflight: int = 0
     requests: int = 0
@@ -40,7 +41,8 @@ class UpstreamPool:
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"upstream URLs must start with http:// or https://, got {bad}")
-        self.upstreams = [Upstream(u.rstrip("/"), Weaver(block_size=block_size)) for u in urls]
+        self.upstreams = [Upstream(u.rstrip("/"), Weaver(block_size=block_size), name=f"upstream-{i}")
+                          for i, u in enumerate(urls)]
         self.routing = {"cache_aware": 0, "least_loaded": 0}
 
     def healthy(self) -> list[Upstream]:

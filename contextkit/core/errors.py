@@ -11,6 +11,7 @@ ContextKitError                  500
 ├── InputError                   422  a request is malformed (``param`` names the field to fix)
 │   ├── MalformedBodyError       400  the body is not a JSON object
 │   ├── BodyTooLargeError        413  the body is over the server's limit
+│   ├── UnsupportedMediaTypeError 415 the body is not sent as JSON
 │   ├── EmptyInputError          422  nothing to answer
 │   └── PromptTooLongError       413  prompt (+ tokens to generate) exceeds the model's context
 ├── AccessError                  a request that may not be served as sent
@@ -67,6 +68,10 @@ class MalformedBodyError(InputError):
 
 class BodyTooLargeError(InputError):
     """A request body over the server's size limit."""
+
+
+class UnsupportedMediaTypeError(InputError):
+    """A request body sent with a Content-Type the server does not read (it reads JSON)."""
 
 
 class EmptyInputError(InputError):
@@ -129,6 +134,7 @@ class UpstreamTimeoutError(UpstreamError):
 _STATUS: dict[type[BaseException], int] = {
     MalformedBodyError: 400,
     BodyTooLargeError: 413,
+    UnsupportedMediaTypeError: 415,
     PromptTooLongError: 413,
     InputError: 422,
     AuthenticationError: 401,

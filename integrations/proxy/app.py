@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -25,21 +27,35 @@ from types import SimpleNamespace
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from contextkit.core.errors import ConfigError, ContextKitError, InputError, http_status
+from contextkit.core.errors import (
+    AuthenticationError,
+    ConfigError,
+    ContextKitError,
+    InputError,
+    PermissionDeniedError,
+    http_status,
+)
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
+from contextkit.integrations.cacheblend import refuse_unasked_blend
 from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics, route_label
 from contextkit.integrations.openai_api import ClientGone, error_body, error_headers, json_body, read_body
 from contextkit.integrations.proxy.documents import documents
 from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
+from contextkit.integrations.proxy.routes import (
+    check_json,
+    not_found_message,
+    route_of,
+    salt_body,
+    strip_connector_fields,
+)
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.upstreams import UpstreamPool
 
 log = logging.getLogger("contextkit.proxy")
-SALTED = ("/v1/completions", "/v1/chat/completions")  # the routes where vLLM reads a cache_salt
 
 
 def tenancy_of(settings: ProxySettings) -> Tenancy:
@@ -64,6 +80,8 @@ class ProxyMetrics(ServerMetrics):
                                      "prompt tokens the upstream served from its prefix cache", registry=self.registry)
         self.reorders = Counter("contextkit_proxy_reorder_decisions", "documents requests reordered or kept",
                                 ("decision",), registry=self.registry)
+        self.stripped = Counter("contextkit_proxy_stripped_fields", "client body fields removed before "
+                                "forwarding (they would reach vLLM's KV connectors)", ("field",), registry=self.registry)
 
     def usage(self, usage: dict | None) -> None:
         if usage:
@@ -104,8 +122,6 @@ class JsonLogFormatter(logging.Formatter):
 
 class ProxyApp:
     """The ASGI application (``uvicorn`` serves it; tests run it in a thread)."""
-
-    UPSTREAM = ("/v1/", "/tokenize", "/detokenize", "/version")
 
     def __init__(self, settings: ProxySettings):
         self.settings = settings
@@ -160,44 +176,63 @@ class ProxyApp:
                 return await send_json(send, t, 200, {"status": "ok"})
             return await send_json(send, t, 503, error_body(503, "no healthy upstream"))
         if path == "/metrics":
+            self.metrics_access(scope)
             body = self.metrics.text()
             t["status"] = 200
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})
             return await send({"type": "http.response.body", "body": body})
-        if not path.startswith(self.UPSTREAM):
-            return await send_json(send, t, 404, error_body(
-                404, f"{method} {path}: not found; the proxy serves the upstream's /v1/* routes, /tokenize, "
-                     "/detokenize, /version, /health and /metrics"))
+        route = route_of(method, path)
+        if route is None:
+            return await send_json(send, t, 404, error_body(404, not_found_message(method, path)))
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
         tenant = self.tenancy.authenticate(auth)  # 401 before anything else is read
         self.limiter.check(tenant)  # and 429 over the tenant's rate
         body = None
-        if method in ("POST", "PUT", "PATCH"):
-            is_json = next((v for k, v in scope["headers"] if k == b"content-type"),
-                           b"application/json").startswith(b"application/json")
+        if route.has_body:
+            check_json(scope["headers"])  # 400 for two Content-Types, 415 for a body that is not JSON
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-            body = await read_body(receive, self.settings.max_body_bytes, declared)
-            # JSON is checked here (a malformed body gets our 400, not the upstream's); other bodies
-            # (multipart audio uploads, ...) go as they are
-            parsed = json_body(body) if is_json else {}
-            n = parsed.get("n")
-            if path in SALTED and type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
-                raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
-                                 "several requests, or ask the operator to raise max_n", "n")
-            if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
-                                                  or "contextkit" in parsed):
-                t["documents"] = True
-                return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive, send,
-                                       parsed, t)
-            if path in SALTED and is_json:
-                # the server sets the salt: the tenant's, with the client's own mixed in (never as it is)
-                own = parsed.get("cache_salt")
-                if own is not None and not isinstance(own, str):
-                    raise InputError("cache_salt must be a string", "cache_salt")
-                parsed["cache_salt"] = self.tenancy.cache_salt(tenant, own)
-                body = json.dumps(parsed).encode()
-        await self.upstreams.passthrough(scope, receive, send, body, t)
+            parsed = json_body(await read_body(receive, self.settings.max_body_bytes, declared))
+            for name in strip_connector_fields(parsed):
+                self.metrics.stripped.labels(name).inc()
+            if route.generates:
+                n = parsed.get("n")
+                if type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
+                    raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
+                                     "several requests, or ask the operator to raise max_n", "n")
+                if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
+                                                      or "contextkit" in parsed):
+                    t["documents"] = True
+                    return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive,
+                                           send, parsed, t)
+                if self.settings.kv_connector == "cacheblend":
+                    self.refuse_blend(parsed)
+                salt_body(route, parsed, lambda own: self.tenancy.cache_salt(tenant, own))
+            body = json.dumps(parsed).encode()  # what was checked is what is sent
+        await self.upstreams.passthrough(scope, receive, send, route, body, t)
+
+    def metrics_access(self, scope) -> None:
+        """``/metrics`` names the upstreams and every tenant's traffic: with ``metrics_key`` it takes that
+        key; without one, a proxy with API keys answers it to loopback clients only (a Prometheus on
+        the same host, or a scrape through a tunnel)."""
+        key = self.settings.metrics_key
+        if key:
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
+                raise AuthenticationError("/metrics needs the metrics key: send `Authorization: Bearer <metrics key>`")
+            return
+        client = (scope.get("client") or ("",))[0]
+        if not self.tenancy.open and not _loopback(client):
+            raise PermissionDeniedError("/metrics answers loopback clients only; the operator can set a metrics "
+                                        "key (--metrics-key) to scrape it from elsewhere")
+
+    def refuse_blend(self, body: dict) -> None:
+        """A CacheBlend upstream blends any prompt holding its separator: refuse one that did not opt in.
+        (Tokenizes the body's strings on the loop: a blending deployment serves one tenant, see tenancy_of.)"""
+        tokenizer = self.planner().tokenizer
+        refuse_unasked_blend(body=body, separator=self.settings.cacheblend_separator,
+                             separator_ids=self.upstreams.blend_separator(tokenizer),
+                             encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     async def lifespan(self, receive, send) -> None:
         while True:
@@ -222,6 +257,13 @@ class ProxyApp:
                   "request_id": rid, "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
                   "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
                   "ms_total": round((time.perf_counter() - t0) * 1e3, 3)})
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _message(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.cacheblend import blend_prompt_ids
+from contextkit.integrations.cacheblend import blend_prompt_ids, refuse_unasked_blend
 from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
 from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, segments_of, spans_of
@@ -44,7 +44,7 @@ def completion_body(body: dict, chat: ChatBody, plan: RequestPlan, salt: str) ->
 
 def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: dict | None = None) -> dict:
     out = {"order": list(plan.document_ids), "reordered": plan.reordered,
-           "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.url, "tenant": plan.tenant.name,
+           "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.name, "tenant": plan.tenant.name,
            "padding_tokens": plan.padding_tokens, "prompt_tokens": plan.num_tokens}
     skills = [it.span.name for it in plan.items if it.span.kind == "skill" and it.reuse]
     if skills:
@@ -82,6 +82,9 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         segments = segments_of(plan)
         out["prompt"] = blend_prompt_ids(segments, ups.blend_separator(planner.tokenizer))
         reuse = {"path": "cacheblend", "segments": len(segments)}
+    elif connector == "cacheblend":  # not opted in: the blending upstream must find no separator in it
+        refuse_unasked_blend(prompt_ids=plan.ids, separator=ups.settings.cacheblend_separator,
+                             separator_ids=ups.blend_separator(planner.tokenizer))
     payload = json.dumps(out).encode()
     with ups.pool.lease(u):
         resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)

@@ -18,12 +18,14 @@ import yarl
 
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.openai_api import error_body, sse
+from contextkit.integrations.proxy.routes import Route, scrub_answer
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.proxy.spans import SpanCompiler
 from contextkit.integrations.upstreams import Upstream, UpstreamPool
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
-NOT_FORWARDED = HOP | {b"authorization"}  # the client's key is for us; the upstream gets its own
+# the client's key is for us (the upstream gets its own); its Content-Type is the proxy's to set
+NOT_FORWARDED = HOP | {b"authorization", b"content-type"}
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)  # what talking to an upstream can raise
 
 
@@ -101,10 +103,10 @@ class Upstreams:
     def failure(self, u: Upstream, exc: BaseException) -> UpstreamError:
         """The error to answer a failed call to ``u`` with (a connection failure also counts against it)."""
         if isinstance(exc, TimeoutError):
-            return UpstreamTimeoutError(f"upstream {u.url} did not answer within {self.settings.timeout_s:.0f} s; "
+            return UpstreamTimeoutError(f"upstream {u.name} did not answer within {self.settings.timeout_s:.0f} s; "
                                         "raise --timeout-s or check the server's load")
         self.pool.mark_failed(u)
-        return UpstreamError(f"upstream {u.url} failed: {describe(exc)}; it is out of rotation until its "
+        return UpstreamError(f"upstream {u.name} failed: {describe(exc)}; it is out of rotation until its "
                              "/health answers")
 
     def least_loaded(self) -> Upstream:
@@ -132,7 +134,7 @@ class Upstreams:
             raise self.failure(u, exc) from None
         u.consecutive_failures = 0
         if resp.status >= 500:
-            raise UpstreamError(f"upstream {u.url} answered {resp.status}: {await read_error(resp)}")
+            raise UpstreamError(f"upstream {u.name} answered {resp.status}: {await read_error(resp)}")
         return resp
 
     def first_bytes(self, t: dict) -> None:
@@ -154,16 +156,16 @@ class Upstreams:
 
     # -- pass-through: raw ASGI, no framework work per chunk ------------------------------------------
 
-    async def passthrough(self, scope, receive, send, body: bytes | None, t: dict) -> None:
-        """Forward the request as it is to the least-loaded upstream and its answer as it comes."""
+    async def passthrough(self, scope, receive, send, route: Route, body: bytes | None, t: dict) -> None:
+        """Forward a request on ``route`` to the least-loaded upstream, and its answer as it comes: the
+        route's own path (no query string), the body as the proxy serialized it, the client's headers
+        but for hop-by-hop ones, its key and its Content-Type."""
         u = self.least_loaded()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
-        headers.setdefault("content-type", "application/json")
-        # the path as the client sent it (raw: %2F stays %2F), not the decoded one routing looked at
-        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        url = path + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        if body is not None:
+            headers["content-type"] = "application/json"
         with self.pool.lease(u):
-            resp = await self.start(u, scope["method"], url, headers, body, t)
+            resp = await self.start(u, route.method, route.path, headers, body, t)
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]
             out.append((b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)))
             if "text/event-stream" in resp.headers.get("content-type", ""):
@@ -175,6 +177,7 @@ class Upstreams:
                 raise self.failure(u, exc) from None
             resp.release()
         self.first_bytes(t)
+        content = scrub_answer(content)  # the connector's echo of what it loaded stays here
         out.append((b"content-length", str(len(content)).encode()))
         t["status"] = resp.status
         await send({"type": "http.response.start", "status": resp.status, "headers": out})
@@ -208,7 +211,7 @@ async def streamed(u: Upstream, resp: aiohttp.ClientResponse, receive, send):
         yield state
     except (*UPSTREAM_ERRORS, ValueError) as exc:  # ValueError: an upstream event that is not JSON
         if not watcher.done():  # the upstream failed, not the client
-            event = sse(error_body(502, f"upstream {u.url} failed mid-stream: {describe(exc)}"))
+            event = sse(error_body(502, f"upstream {u.name} failed mid-stream: {describe(exc)}"))
             await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
         watcher.cancel()

@@ -33,6 +33,9 @@ class ProxySettings(BaseSettings):
     secret: str | None = None  # derives cache salts; default: a file under cache_dir, made once
     secret_file: Path | None = None
     upstream_api_key: str | None = None  # sent to every upstream (vLLM started with --api-key)
+    # /metrics names upstreams and every tenant's traffic: with a key it takes `Bearer <metrics_key>`;
+    # without one, a proxy with API keys answers it to loopback clients only
+    metrics_key: str | None = Field(None, min_length=16)
     # requests per second per tenant, checked before the body is read (429 past it); 0: no limit, as vLLM
     rate_per_s: float = Field(0.0, ge=0)
     rate_burst: int = Field(0, ge=0)  # requests a quiet tenant may send at once; 0: twice the rate

@@ -306,15 +306,15 @@ def test_a_request_routed_to_the_other_server_loads_what_the_first_computed(pic_
     salt = pic_proxy.app.tenancy.cache_salt(Tenant(first["contextkit"]["tenant"]))  # as the proxy derives it
     full = (len(ids) - 1) // BS
     wait_saved(kv.remote, block_keys(kv.geom, salt, ids, full))
-    first_up = next(u for u in pool.upstreams if u.url == served_by)
-    other = next(u for u in pool.upstreams if u.url != served_by)
+    first_up = next(u for u in pool.upstreams if u.name == served_by)  # a name, never the URL
+    other = next(u for u in pool.upstreams if u.name != served_by)
     hits0 = metric(other.url, "vllm:external_prefix_cache_hits")
     first_up.healthy = False
     try:
         again = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
     finally:
         first_up.healthy = True
-    assert again["contextkit"]["upstream"] == other.url
+    assert again["contextkit"]["upstream"] == other.name
     assert again["choices"][0]["prompt_token_ids"] == ids  # the same prompt, token for token
     assert again["contextkit"]["cached_tokens"] == full * BS
     _wait(lambda: metric(other.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 30)

