@@ -23,7 +23,7 @@ from contextkit.core.errors import (
     AuthenticationError, BodyTooLargeError, ConfigError, InputError, MalformedBodyError, OverloadedError, http_status,
 )  # fmt: skip
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.plan import POLICIES, ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import ROLES, Evidence, Message, Skill, skill_version
@@ -98,12 +98,31 @@ class SkillIn(_Strict):
         return v
 
 
+class ReuseIn(_Strict):
+    """``contextkit.reuse``: the fields of ``ReuseOptions``, typed here so a wrong type is a 422 naming the
+    field (ReuseOptions checks the ranges that depend on each other). Strict: ``"0.3"`` is not a ratio,
+    ``1.5`` not a count, ``1`` not a boolean; a count may still be sent as an integer-valued float."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    policy: Literal[POLICIES] | None = None  # type: ignore[valid-type]
+    ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    max_recompute: int | None = Field(None, ge=0)
+    fidelity_budget: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    first_k: int | None = Field(None, ge=0, le=1 << 20)
+    check_layer: int | None = Field(None, ge=0, le=4096)
+    probe_layers: int | None = Field(None, ge=0, le=4096)
+    recompute_last_span: bool | None = None
+    block_size: int | None = Field(None, ge=0, le=1 << 16)
+    separator: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = Field(None, max_length=64)
+
+
 class ContextkitOptions(_Strict):
     ordering: Literal["weaver", "retrieval"] = "weaver"
     tenant: str | None = None  # a sub-tenant, where the server allows client-chosen ones
     block_align: bool = False
     documents_at: Literal["last", "first"] = "last"  # the user message the documents open (a session: first)
-    reuse: dict[str, Any] | None = None  # serve only: ReuseOptions fields
+    reuse: ReuseIn | None = None  # the KV path only (serve, a proxy with a connector)
 
 
 class _Sampling(BaseModel):
@@ -255,15 +274,23 @@ def _validation_error(exc: ValidationError) -> InputError:
     return InputError(f"{loc}: {err['msg']}", param)
 
 
-def reuse_options(fields: dict[str, Any] | None) -> ReuseOptions:
-    """``contextkit.reuse`` as ReuseOptions (the request's KV-path reuse)."""
-    if not fields:
+def reuse_options(fields: ReuseIn | dict[str, Any] | None) -> ReuseOptions:
+    """``contextkit.reuse`` as ReuseOptions (the request's KV-path reuse); the fields not sent keep
+    ReuseOptions' defaults."""
+    if fields is None:
         return ReuseOptions()
+    if isinstance(fields, dict):
+        try:
+            fields = ReuseIn.model_validate(fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise InputError(f"contextkit.reuse.{loc}: {err['msg']}", "contextkit") from None
+    given = {k: v for k, v in fields.model_dump(exclude_none=True).items()}
+    if "separator" in given:
+        given["separator"] = tuple(given["separator"])
     try:
-        return ReuseOptions(**fields)
-    except TypeError as exc:
-        known = sorted(ReuseOptions.__dataclass_fields__)
-        raise InputError(f"contextkit.reuse has unknown fields; known: {known} ({exc})", "contextkit") from exc
+        return ReuseOptions(**given)
     except ConfigError as exc:
         raise InputError(f"contextkit.reuse: {exc}", "contextkit") from exc
 

@@ -106,6 +106,8 @@ class ReuseOptions:
                 raise ConfigError(f"fidelity_budget must be in [0, 1], got {self.fidelity_budget}")
         if self.first_k < 0 or self.block_size < 0:
             raise ConfigError("first_k and block_size must be >= 0")
+        if not all(type(t) is int and t >= 0 for t in self.separator):
+            raise ConfigError(f"separator must be token ids (ints >= 0), got {self.separator!r:.80}")
         if self.policy == "first_k" and self.first_k == 0:
             raise ConfigError("policy='first_k' needs first_k >= 1")
         if self.max_recompute is not None and self.max_recompute < 0:

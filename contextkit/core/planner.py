@@ -258,6 +258,10 @@ class Planner:
              context_limit: int | None = None) -> RequestPlan:
         """The request's plan: spans in served order, the length checked against ``context_limit``
         (else the planner's). Nothing is recorded in ``orderer``."""
+        separator = request.reuse.separator if request.reuse is not None else ()
+        if any(t >= self.tokenizer.vocab_size for t in separator):
+            raise InputError(f"contextkit.reuse.separator holds token ids past the vocabulary "
+                             f"({self.tokenizer.vocab_size}); take them from /tokenize", "contextkit")
         docs = self.docs(request)
         result = None
         if orderer is not None and request.ordering == "weaver" and docs:

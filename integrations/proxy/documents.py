@@ -64,7 +64,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name), allow_reuse=connector != "none",
                                reuse_default=False)
     if request.reuse is not None:
-        check_options(connector, chat.contextkit.reuse or {})
+        check_options(connector, chat.contextkit.reuse.model_dump(exclude_none=True))
     docs = planner.docs(request)
     u = ups.pool.route(docs, request.tenant)
     if u is None:
