@@ -5,6 +5,11 @@ Both servers parse bodies by hand from the raw ASGI stream (a bounded read, then
 built from those same pydantic models, so what it says a body may hold is what the servers accept.
 ``serve`` answers it at ``/openapi.json``; the proxy does not (that path is the upstream vLLM's), and
 the fuzz tests and ``bench robustness`` read it from here (``openapi_schema("proxy")``).
+
+The proxy's document lists every route it forwards (``proxy.routes``). Bodies of the routes it only
+salts and relays (responses, messages, batch, tokenize) are vLLM's to parse; they are described here by
+the few fields that matter at the boundary (the model, the input, the salt, the fields that would reach
+the KV connector), open to any other, so the fuzzer sends both well-formed and broken ones.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Literal
 from pydantic.json_schema import models_json_schema
 
 from contextkit.integrations.openai_api import ChatBody, CompletionBody
+from contextkit.integrations.proxy.routes import ROUTES
 
 REF = "#/components/schemas/{model}"
 # what every route may answer beside its success; 502/503/504 only where an upstream is involved
@@ -21,6 +27,28 @@ CLIENT_ERRORS = {"400": "malformed JSON", "401": "no or unknown API key", "403":
                  "413": "body or prompt too large", "422": "a field out of range or of the wrong type",
                  "429": "the tenant is over its request rate, or (serve) the engine queue is full (Retry-After)"}
 UPSTREAM_ERRORS = {"502": "the upstream failed", "503": "no healthy upstream", "504": "the upstream or the deadline timed out"}
+MEDIA = {"415": "a body that is not JSON (Content-Type other than application/json)"}
+_MESSAGES = {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["user", "assistant", "system"]}, "content": {"type": "string", "maxLength": 200}}}}
+_BOUNDARY = {"cache_salt": {"type": "string"}, "kv_transfer_params": {"type": "object"},
+             "vllm_xargs": {"type": "object"}, "model": {"type": "string"}}
+# the bodies the proxy relays to vLLM after salting them: what matters at the boundary, open to the rest
+RELAYED = {
+    "/v1/chat/completions/batch": {"required": ["model", "messages"], "properties": {
+        "messages": {"type": "array", "minItems": 1, "maxItems": 2, "items": _MESSAGES},
+        "max_tokens": {"type": "integer"}}},
+    "/v1/responses": {"required": ["model", "input"], "properties": {
+        "input": {"type": "string", "maxLength": 200}, "max_output_tokens": {"type": "integer"},
+        "previous_response_id": {"type": "string"}, "store": {"type": "boolean"}}},
+    "/v1/messages": {"required": ["model", "messages", "max_tokens"], "properties": {
+        "messages": _MESSAGES, "max_tokens": {"type": "integer"}}},
+    "/v1/messages/count_tokens": {"required": ["model", "messages"], "properties": {"messages": _MESSAGES}},
+    "/tokenize": {"required": ["prompt"], "properties": {"prompt": {"type": "string", "maxLength": 200},
+                                                         "add_special_tokens": {"type": "boolean"}}},
+    "/detokenize": {"required": ["tokens"], "properties": {
+        "tokens": {"type": "array", "maxItems": 16, "items": {"type": "integer", "minimum": 0}}}},
+}
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
@@ -35,11 +63,26 @@ def _responses(errors: dict[str, str]) -> dict:
     return out
 
 
-def _post(model: str, errors: dict[str, str], summary: str) -> dict:
+def _post(model: str | dict, errors: dict[str, str], summary: str) -> dict:
+    schema = {"$ref": REF.format(model=model)} if isinstance(model, str) else model
     return {"post": {"summary": summary, "security": [{"bearer": []}],
-                     "requestBody": {"required": True, "content": {"application/json": {
-                         "schema": {"$ref": REF.format(model=model)}}}},
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                      "responses": _responses(errors)}}
+
+
+def _proxy_paths(paths: dict, errors: dict[str, str]) -> None:
+    """The routes the proxy only relays (salted where they generate), and the ones it answers 404."""
+    for route in ROUTES.values():
+        if route.path in paths:
+            continue
+        if route.method == "GET":
+            paths[route.path] = {"get": {"summary": "the upstream's", "security": [{"bearer": []}],
+                                         "responses": _responses({k: errors[k] for k in ("401", "429", *UPSTREAM_ERRORS)})}}
+            continue
+        shape = RELAYED[route.path]
+        body = {"type": "object", "required": shape["required"], "properties": {**_BOUNDARY, **shape["properties"]}}
+        what = "relayed to the upstream with the tenant's cache_salt" if route.generates else "relayed to the upstream"
+        paths[route.path] = _post(body, {**errors, **MEDIA}, what)
 
 
 def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
@@ -58,6 +101,10 @@ def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
         "/health": {"get": {"summary": "200 when the server can answer", "responses": _responses({})}},
         "/metrics": {"get": {"summary": "Prometheus text format", "responses": {"200": {"description": "OK"}}}},
     }
+    if server == "proxy":
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            paths[path]["post"]["responses"].update(_responses(MEDIA))
+        _proxy_paths(paths, errors)
     if server == "serve":
         paths["/tokenize"] = {"post": {
             "summary": "token ids of a prompt", "security": [{"bearer": []}],

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from contextkit.integrations.openapi import openapi_schema
 
-GENERATION = ("/v1/chat/completions", "/v1/completions")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +52,14 @@ class FuzzReport:
 
 
 def documented(server: str) -> dict[str, set[int]]:
-    """The statuses each path may answer, from the server's OpenAPI document. The proxy passes plain chat
-    and completions to vLLM, which adds its own 400 and 404 (an unknown ``model``)."""
+    """The statuses each path may answer, from the server's OpenAPI document. The proxy relays every route
+    but its own two to vLLM, which adds its own 400 and 404 (an unknown ``model``)."""
     spec = openapi_schema(server)
     out = {}
     for path, ops in spec["paths"].items():
         for op in ops.values():
             out[path] = {int(s) for s in op["responses"]}
-            if server == "proxy" and path.startswith("/v1/"):
+            if server == "proxy" and path not in ("/health", "/metrics"):
                 out[path] |= {400, 404}
     return out
 
@@ -67,9 +67,10 @@ def documented(server: str) -> dict[str, set[int]]:
 def _cap(body, cap: int):
     """A generation body that asks for more than ``cap`` tokens (or does not say) asks for ``cap``."""
     if isinstance(body, dict):
-        mt = body.get("max_tokens")
+        name = "max_output_tokens" if "input" in body else "max_tokens"  # /v1/responses names it so
+        mt = body.get(name)
         if mt is None or (type(mt) in (int, float) and mt > cap):  # 3946.0 is an integer to pydantic and vLLM
-            body = {**body, "max_tokens": cap}
+            body = {**body, name: cap}
         mct = body.get("max_completion_tokens")
         if type(mct) in (int, float) and mct > cap:
             body = {**body, "max_completion_tokens": cap}

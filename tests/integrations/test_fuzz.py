@@ -9,6 +9,7 @@ import pytest
 from contextkit import ContextKit
 from contextkit.bench.fuzz import fuzz
 from contextkit.core.tenancy import Tenancy
+from contextkit.integrations.openapi import openapi_schema
 from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.ratelimit import RateLimit
 from contextkit.integrations.serve import ServeLimits, create_serve_app
@@ -38,3 +39,5 @@ def test_fuzz_proxy_in_front_of_vllm(vllm_url, config, app_thread):
     with app_thread(create_app(settings)) as p:
         report = fuzz(p.url, "proxy", 300, "key-acme-0001", timeout_s=45)
     _assert_clean(report)
+    # every route the proxy forwards was tried (its allow-list: proxy.routes), and its own two
+    assert {path for path, _ in report.statuses} == set(openapi_schema("proxy")["paths"])
