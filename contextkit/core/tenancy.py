@@ -5,8 +5,13 @@ A server (``contextkit serve``, ``contextkit proxy``) holds one ``Tenancy``:
 - API keys, each mapped to a tenant. A request's tenant comes from its ``Authorization: Bearer`` key,
   never from the request body: a body ``contextkit.tenant`` is refused (403) unless the operator lets
   clients choose tenants (``allow_client_tenant``), and then it names a sub-tenant of the key's own
-  (``<key tenant>:<name>``), so no key can reach another key's history. Without any key the server is
-  open (one shared tenant) and binds to loopback only.
+  (``<key tenant>:<name>``), so no key can reach another key's history. ``:`` is refused in key tenants
+  (at load) and in requested names, so a sub-tenant is never the tenant of another key (``acme`` + ``eu``
+  and a key of tenant ``acme:eu``) and its key tenant is read from its name (``Tenant.key_tenant``;
+  queue shares, engine turns and per-key tables are per key tenant). A key uses at most
+  ``max_sub_tenants`` sub-tenants at once (each used in the last ``sub_tenant_ttl_s``); one more is 429.
+  Without any key the server is open (one shared tenant) and binds to loopback only; there a body names
+  a top-level tenant (there is no key to charge it to: whoever reaches a loopback server is trusted).
 - A server secret. vLLM's ``cache_salt`` is ``HMAC-SHA256(secret, tenant)``, never the tenant's name:
   a client cannot compute another tenant's salt, and a client's own ``cache_salt`` is mixed into the
   HMAC (a sub-partition of its tenant's cache), never sent as it is. The
@@ -24,11 +29,15 @@ import ipaddress
 import json
 import os
 import secrets
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from contextkit.core.errors import AuthenticationError, ConfigError, PermissionDeniedError
-from contextkit.core.tenant import MAX_TENANT_CHARS, Tenant
+from cachetools import TTLCache
+
+from contextkit.core.errors import AuthenticationError, ConfigError, InputError, PermissionDeniedError, RateLimitError
+from contextkit.core.tenant import MAX_SUB_TENANTS, MAX_TENANT_CHARS, SUB, Tenant
 
 SECRET_BYTES = 32
 SECRET_FILE = "secret"  # under the cache dir, unless a path is configured
@@ -91,20 +100,37 @@ class Tenancy:
         api_keys: key -> tenant name; empty: an open server (one shared tenant, loopback only).
         secret: the server secret (``load_secret``).
         allow_client_tenant: let a request name a sub-tenant of its key's tenant in its body.
+        max_sub_tenants: sub-tenants one key may use at once; one more is refused (429).
+        sub_tenant_ttl_s: a sub-tenant unused this long no longer counts (its place is free again).
+        clock: seconds, for ``sub_tenant_ttl_s`` (tests pass a fake one).
     """
 
     def __init__(self, api_keys: Mapping[str, str] | None = None, secret: bytes | None = None,
-                 allow_client_tenant: bool = False):
+                 allow_client_tenant: bool = False, *, max_sub_tenants: int = MAX_SUB_TENANTS,
+                 sub_tenant_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        if max_sub_tenants < 1 or sub_tenant_ttl_s <= 0:
+            raise ConfigError(f"max_sub_tenants ({max_sub_tenants}) must be >= 1 and sub_tenant_ttl_s "
+                              f"({sub_tenant_ttl_s}) > 0; to refuse client-chosen tenants leave allow_client_tenant off")
         self._keys: dict[bytes, Tenant] = {}
         for key, name in (api_keys or {}).items():
             if len(key) < 8:
                 raise ConfigError("API keys must be at least 8 characters long")
+            if isinstance(name, str) and SUB in name:
+                raise ConfigError(f"API key for tenant {name!r}: a key's tenant may not contain {SUB!r} (it separates "
+                                  f"a key's tenant from its sub-tenants, so {name!r} could be another key's "
+                                  f"sub-tenant); rename it, e.g. {name.replace(SUB, '-')!r}")
             try:
                 self._keys[hashlib.sha256(key.encode()).digest()] = Tenant(name)
             except Exception as exc:  # an InputError about the name, reported as the operator's to fix
                 raise ConfigError(f"API key for tenant {name!r}: {exc}") from None
         self._salt_key = derive(secret or load_secret(), "cache-salt")
         self.allow_client_tenant = allow_client_tenant
+        self.max_sub_tenants, self.sub_tenant_ttl_s = max_sub_tenants, sub_tenant_ttl_s
+        self._clock = clock
+        # key tenant -> its sub-tenants in use (name -> last use): one bounded cache per key tenant, made
+        # here, so the bookkeeping is bounded by the keys configured times max_sub_tenants
+        self._subs = {t.name: TTLCache(max_sub_tenants, sub_tenant_ttl_s, timer=clock) for t in self._keys.values()}
+        self._lock = threading.Lock()  # a server may resolve from several threads
 
     @property
     def key_count(self) -> int:
@@ -129,17 +155,40 @@ class Tenancy:
 
     def resolve(self, authenticated: Tenant, requested: str | None) -> Tenant:
         """The tenant a request runs as: its key's, or (if the operator allows it) a sub-tenant named in
-        the body. A body naming any other tenant is refused with 403."""
+        the body. A body naming any other tenant is refused with 403, a name holding ``:`` with 422, a new
+        sub-tenant past the key's ``max_sub_tenants`` in use with 429."""
         if requested is None or requested == "" or requested == authenticated.name:
             return authenticated
         if not self.allow_client_tenant:
             raise PermissionDeniedError(
                 "contextkit.tenant is set by the server from your API key; remove it from the request (the "
                 "operator can allow client-chosen sub-tenants with --allow-client-tenant)")
-        name = f"{authenticated.name}:{requested}" if authenticated.name else requested
+        if SUB in requested:
+            raise InputError(f"tenant {requested[:40]!r} may not contain {SUB!r} (it separates your key's tenant "
+                             "from the sub-tenant you name); name the sub-tenant without it", "tenant")
+        if self.open:  # no key to charge it to: a top-level tenant, as named
+            return Tenant(requested)
+        name = f"{authenticated.name}{SUB}{requested}"
         if len(name) > MAX_TENANT_CHARS:
             raise PermissionDeniedError(f"tenant {name[:40]!r}... is over {MAX_TENANT_CHARS} characters")
-        return Tenant(name)
+        tenant = Tenant(name)
+        self._count_sub(authenticated, tenant)
+        return tenant
+
+    def _count_sub(self, key_tenant: Tenant, sub: Tenant) -> None:
+        """Mark ``sub`` as in use by its key; refuse (429) a new one past ``max_sub_tenants`` in use."""
+        seen = self._subs.get(key_tenant.name)
+        if seen is None:  # resolve() is for the tenant authenticate() returned, never a sub-tenant
+            raise PermissionDeniedError(f"tenant {key_tenant.name[:40]!r} is no API key's tenant: it has no sub-tenants")
+        with self._lock:
+            seen.expire()
+            if sub.name not in seen and len(seen) >= self.max_sub_tenants:
+                retry = min(seen.values()) + self.sub_tenant_ttl_s - self._clock()  # when the oldest frees
+                raise RateLimitError(
+                    f"this API key already uses {len(seen)} sub-tenants (contextkit.tenant), the most the server "
+                    f"allows at once; reuse one of them, or retry once one has been unused for "
+                    f"{self.sub_tenant_ttl_s:g} s (the operator sets max_sub_tenants)", retry_after_s=max(retry, 0.0))
+            seen[sub.name] = self._clock()  # (re)set: in use from now
 
     def cache_salt(self, tenant: Tenant, client_salt: str | None = None) -> str:
         """vLLM's ``cache_salt`` for ``tenant``: an HMAC of its name under the server secret (hex).

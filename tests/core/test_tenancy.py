@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
-from contextkit.core.errors import AuthenticationError, ConfigError, PermissionDeniedError, http_status
+from contextkit.core.errors import (
+    AuthenticationError, ConfigError, InputError, PermissionDeniedError, RateLimitError, http_status,
+)
 from contextkit.core.tenancy import Tenancy, check_bind, derive, load_api_keys, load_secret
 from contextkit.core.tenant import Tenant
 
@@ -85,3 +87,51 @@ def test_an_open_server_stays_on_loopback():
         with pytest.raises(ConfigError, match="API keys"):
             check_bind(opened, host)
     assert "1 API key" in check_bind(keyed, "0.0.0.0")
+
+
+def test_a_key_tenant_named_like_a_sub_tenant_is_refused_at_load():
+    """Sub-tenants are ``<key tenant>:<name>``: a key whose tenant is literally ``acme:eu`` would be the
+    same tenant (and cache salt) as key ``acme`` asking for sub-tenant ``eu``. ``:`` is refused in key
+    tenants (at load, naming the tenant) and in requested sub-tenants (400), so the two never meet."""
+    with pytest.raises(ConfigError, match="'acme:eu'.*':'"):
+        Tenancy({"key-aaaaaaaa": "acme", "key-bbbbbbbb": "acme:eu"}, SECRET, allow_client_tenant=True)
+    for name in ("acme:eu", ":eu", "acme:"):
+        with pytest.raises(ConfigError, match="rename"):
+            Tenancy({"key-bbbbbbbb": name}, SECRET)
+    t = Tenancy({"key-aaaaaaaa": "acme"}, SECRET, allow_client_tenant=True)
+    acme = t.authenticate("Bearer key-aaaaaaaa")
+    for sub in ("eu:x", ":", "x:"):
+        with pytest.raises(InputError, match="':'") as err:
+            t.resolve(acme, sub)  # acme:eu:x would be a sub-tenant of no key, and could name another's
+        assert http_status(err.value) == 422
+    eu = t.resolve(acme, "eu")
+    assert eu == Tenant("acme:eu") and eu.key_tenant == acme and acme.key_tenant == acme
+    keyed_default = Tenancy({"key-cccccccc": ""}, SECRET, allow_client_tenant=True)
+    # a key of the default tenant names its sub-tenants under it too, never as top-level tenants
+    assert keyed_default.resolve(Tenant(), "eu") == Tenant(":eu") and Tenant(":eu").key_tenant == Tenant()
+
+
+def test_a_key_may_use_a_bounded_number_of_sub_tenants_at_once():
+    """One key could invent sub-tenants without end (each one more tree, queue share and salt): the
+    ``max_sub_tenants``-th + 1 in ``sub_tenant_ttl_s`` is refused with 429 and when a place frees; a
+    sub-tenant in use keeps its place, and other keys have their own count."""
+    now = [0.0]
+    t = Tenancy({"key-aaaaaaaa": "acme", "key-bbbbbbbb": "globex"}, SECRET, allow_client_tenant=True,
+                max_sub_tenants=2, sub_tenant_ttl_s=60.0, clock=lambda: now[0])
+    acme, globex = t.authenticate("Bearer key-aaaaaaaa"), t.authenticate("Bearer key-bbbbbbbb")
+    assert t.resolve(acme, "s0") == Tenant("acme:s0")
+    now[0] = 10.0
+    assert t.resolve(acme, "s1") == Tenant("acme:s1")
+    with pytest.raises(RateLimitError, match="2 sub-tenants") as err:
+        t.resolve(acme, "s2")
+    assert http_status(err.value) == 429 and err.value.retry_after_s == pytest.approx(50.0)  # s0's place frees at 60
+    assert t.resolve(acme, None) == acme and t.resolve(acme, "acme") == acme  # the key's own tenant is no sub-tenant
+    assert t.resolve(globex, "s0") == Tenant("globex:s0")  # another key: its own count
+    now[0] = 55.0
+    assert t.resolve(acme, "s0") == Tenant("acme:s0")  # in use: its place is kept (until 115)
+    now[0] = 71.0  # s1 (last used at 10) is gone
+    assert t.resolve(acme, "s2") == Tenant("acme:s2")
+    with pytest.raises(RateLimitError):
+        t.resolve(acme, "s1")
+    with pytest.raises(ConfigError, match="max_sub_tenants"):
+        Tenancy({"key-aaaaaaaa": "acme"}, SECRET, max_sub_tenants=0)
