@@ -5,9 +5,10 @@ can take turns token by token (time slicing, not batching): a new request is pla
 its turn, then every started request decodes one step per turn. Turns go to the tenant that has had the
 least engine time so far (the engine seconds its steps took; a tenant arriving idle starts level with
 the least-served busy tenant, so idle time banks no credit), and within a tenant to its requests in
-turn, a request not yet started first. So one tenant's 8000-token answers or 200 queued requests cost
-every other tenant at most one step each per turn, and a new request's first token waits for one turn
-of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
+turn, a request not yet started first. A tenant here is a key tenant (``Tenant.key_tenant``): a key's
+sub-tenants share its turns, so naming more of them gets a key no more of the engine. So one tenant's
+8000-token answers or 200 queued requests cost every other tenant at most one step each per turn, and a
+new request's first token waits for one turn of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
 for a place, planned at their turn. Background work (compiling spans requests computed in context) runs
 in bounded units once no request has arrived for ``idle_after_s``: a request queues behind at most one
 unit, and a client sending requests back to back behind none.
@@ -95,8 +96,10 @@ class FairScheduler:
     ended get ``done``)."""
 
     def __init__(self, max_active: int = 8, idle: Callable[[], bool] | None = None,
-                 on_start: Callable[[], None] | None = None, idle_after_s: float = 0.05):
+                 on_start: Callable[[], None] | None = None, idle_after_s: float = 0.05,
+                 clock: Callable[[], float] = time.perf_counter):
         self.max_active = max_active
+        self._clock = clock  # what a turn costs its tenant (a test's fake clock makes turns deterministic)
         # one bounded unit of background work (True if it did any), run once no job has arrived for
         # idle_after_s: a client sending requests back to back never waits behind it
         self.idle = idle
@@ -105,7 +108,7 @@ class FairScheduler:
         self._cv = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._closed = False
-        self.served_s: dict[Tenant, float] = {}  # engine seconds of tenants with jobs (dropped when idle)
+        self.served_s: dict[Tenant, float] = {}  # engine seconds of key tenants with jobs (dropped when idle)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -125,8 +128,8 @@ class FairScheduler:
     def _loop(self) -> None:
         if self._on_start is not None:
             self._on_start()
-        waiting: dict[Tenant, deque[Job]] = {}  # not started
-        active: dict[Tenant, deque[Job]] = {}  # started: holding KV
+        waiting: dict[Tenant, deque[Job]] = {}  # key tenant -> its jobs not started
+        active: dict[Tenant, deque[Job]] = {}  # key tenant -> its jobs started: holding KV
         n_active = 0
 
         def quiet() -> bool:  # nothing to run and not closing (read under self._cv)
@@ -151,9 +154,10 @@ class FairScheduler:
                     return
                 while self._inbox:
                     job = self._inbox.popleft()
-                    if job.tenant not in self.served_s:  # arriving idle: level with the least-served busy tenant
-                        self.served_s[job.tenant] = min(self.served_s.values(), default=0.0)
-                    waiting.setdefault(job.tenant, deque()).append(job)
+                    share = job.tenant.key_tenant  # sub-tenants of one key take turns as that key
+                    if share not in self.served_s:  # arriving idle: level with the least-served busy tenant
+                        self.served_s[share] = min(self.served_s.values(), default=0.0)
+                    waiting.setdefault(share, deque()).append(job)
             room = n_active < self.max_active
             ready = [t for t in self.served_s if active.get(t) or (room and waiting.get(t))]
             if not ready:  # every waiting job waits for a place: only started ones can run
@@ -162,9 +166,9 @@ class FairScheduler:
             start = room and bool(waiting.get(tenant))
             queue = waiting[tenant] if start else active[tenant]
             job = queue.popleft()
-            t0 = time.perf_counter()
+            t0 = self._clock()
             alive = job.step()
-            self.served_s[tenant] += time.perf_counter() - t0
+            self.served_s[tenant] += self._clock() - t0
             if start:
                 n_active += 1
                 if not waiting[tenant]:

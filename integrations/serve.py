@@ -46,7 +46,8 @@ class ServeLimits:
 
     Attributes:
         max_queue: requests waiting for or on the engine; one more gets 429 with ``Retry-After``.
-        max_queue_per_tenant: the same, for one tenant (so one tenant cannot fill the queue).
+        max_queue_per_tenant: the same, for one key tenant, its sub-tenants' requests included (so one
+            key cannot fill the queue, however many sub-tenants it names).
         max_active: requests decoding in turns at once (each holds its KV); the others wait their turn.
         deadline_s: a request's longest time from arrival to its last token (then 504, or an error event).
         max_body_bytes: a larger request body gets 413.
@@ -131,10 +132,11 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         """Queue the request for the engine thread (429 when the queue, or the tenant's share of it, is
         full), then answer, streaming or not. The request ends at its next turn once the client is gone or
         the deadline passed."""
-        mine = sum(j.tenant == tenant for j in pending)  # at most max_queue jobs to count
+        key = tenant.key_tenant  # a key's sub-tenants share its part of the queue
+        mine = sum(j.tenant.key_tenant == key for j in pending)  # at most max_queue jobs to count
         if mine >= limits.max_queue_per_tenant:
-            raise OverloadedError(f"{mine} requests of this tenant are waiting for the engine; retry shortly",
-                                  retry_after_s=limits.retry_after_s)
+            raise OverloadedError(f"{mine} requests of this tenant (its sub-tenants' included) are waiting for "
+                                  "the engine; retry shortly", retry_after_s=limits.retry_after_s)
         if len(pending) >= limits.max_queue:
             raise OverloadedError(f"{len(pending)} requests are waiting for the engine; retry shortly",
                                   retry_after_s=limits.retry_after_s)

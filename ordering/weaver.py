@@ -15,13 +15,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.planner import MAX_DOCUMENTS as MAX_K
 from contextkit.core.planner import MAX_ID_CHARS
-from contextkit.core.tenant import Tenant
+from contextkit.core.tenant import MAX_SUB_TENANTS, Tenant
+from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Doc, OrderResult
 from contextkit.ordering.tree import PrefixTree
 
@@ -59,21 +59,28 @@ class Weaver:
         max_nodes: bound of each tenant's tree.
         max_tenants: trees kept; past it the least recently used tenant's tree is dropped (its
             history is a model of cache contents the engine will have evicted by then anyway).
+        max_trees_per_key: trees of one key tenant (its own and its sub-tenants', ``Tenant.key_tenant``)
+            kept; past it that key's least recently used tree is dropped, so a key inventing
+            sub-tenants drops its own history, never another key's.
 
     Memory is bounded: ``max_tenants`` trees of ``max_nodes`` nodes, each node an id of at most
     ``MAX_ID_CHARS`` characters. Only ``record`` creates a tree; asking for an order (``record=False``)
     for an unknown tenant creates nothing.
     """
 
-    def __init__(self, block_size: int = 16, max_nodes: int = 100_000, max_tenants: int = 1024):
+    def __init__(self, block_size: int = 16, max_nodes: int = 100_000, max_tenants: int = 1024,
+                 max_trees_per_key: int = MAX_SUB_TENANTS + 1):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         if max_tenants < 1:
             raise ConfigError(f"max_tenants must be >= 1, got {max_tenants}")
+        if max_trees_per_key < 1:
+            raise ConfigError(f"max_trees_per_key must be >= 1, got {max_trees_per_key}")
         self.block_size = block_size
         self.max_nodes = max_nodes
         self.max_tenants = max_tenants
-        self._trees: OrderedDict[str, PrefixTree] = OrderedDict()
+        self.max_trees_per_key = max_trees_per_key
+        self._trees: TenantLRU[str, PrefixTree] = TenantLRU(max_tenants, max_trees_per_key, lambda name: name)
         self._lock = threading.Lock()
 
     def tree(self, tenant: Tenant | str = "", create: bool = True) -> PrefixTree:
@@ -84,12 +91,10 @@ class Weaver:
             tree = self._trees.get(name)
             if tree is None:
                 tree = PrefixTree(self.max_nodes)
-                if not create:
-                    return tree
-                self._trees[name] = tree
-                while len(self._trees) > self.max_tenants:
-                    self._trees.popitem(last=False)
-            self._trees.move_to_end(name)
+                if create:
+                    self._trees[name] = tree  # the newest; drops the oldest of its key, or of all, past a bound
+                return tree
+            self._trees.touch(name)
             return tree
 
     @property

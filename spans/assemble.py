@@ -15,7 +15,6 @@ reused spans and are computed in context.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from contextkit.spans.key import SpanKey, span_key
 from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
 from contextkit.core.tenant import Tenant
+from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Span
 
 
@@ -43,12 +43,8 @@ class Assembly:
     report: ReuseReport
 
 
-def _put_newest(table: OrderedDict, key, value, limit: int) -> None:
-    """Set ``table[key]`` as its newest entry, dropping the oldest past ``limit``."""
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > limit:
-        table.popitem(last=False)
+def _tenant_of(key: SpanKey) -> str:
+    return key.tenant  # every key of pending and borrowed names its tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +64,9 @@ class SpanCache:
         store: where compiled spans live (``kvstore`` tiers implement the same interface).
         rerotator: RoPE re-rotation kernels (path chosen by config).
         tokenizer_fingerprint: part of every key, so spans from another tokenizer never match.
+        max_pending: entries of ``pending`` and of ``borrowed``, each.
+        max_pending_per_key: of those, entries of one key tenant (its own and its sub-tenants'); None:
+            a quarter of ``max_pending``, so one key's documents alone never drop another key's work.
     """
 
     def __init__(
@@ -77,22 +76,25 @@ class SpanCache:
         rerotator: Rerotator | None = None,
         tokenizer_fingerprint: str = "",
         max_pending: int = 4096,
+        max_pending_per_key: int | None = None,
     ):
         self.engine = engine
         self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
-        # work for off the request path (compile_pending), oldest dropped past max_pending: spans a
-        # request computed in context that have no position-free entry yet ("alone"), and anchored
-        # spans a request re-positioned that have no exact prefix link at their place yet ("prefix":
-        # the spans from position 0 up to it)
-        self.pending: OrderedDict[SpanKey, tuple[str, tuple[Span, ...], Tenant | str]] = OrderedDict()
+        # work for off the request path (compile_pending), oldest dropped past max_pending, and a key
+        # tenant's own oldest past its share: spans a request computed in context that have no
+        # position-free entry yet ("alone"), and anchored spans a request re-positioned that have no
+        # exact prefix link at their place yet ("prefix": the spans from position 0 up to it)
+        per_key = max_pending_per_key if max_pending_per_key is not None else max(1, max_pending // 4)
+        self.pending: TenantLRU[SpanKey, tuple[str, tuple[Span, ...], Tenant | str]] = TenantLRU(
+            max_pending, per_key, _tenant_of, "max_pending")
         self.max_pending = max_pending
         # position-free key -> the prefix link a request stored for the same tokens (same tenant): KV
         # computed in another request's context, reused re-positioned (per policy) until the
         # position-free compile lands, so a span seen once is a hit in any order from the next request
         # on, however busy the engine is (DEVELOPERS.md, "borrowed KV")
-        self.borrowed: OrderedDict[SpanKey, SpanKey] = OrderedDict()
+        self.borrowed: TenantLRU[SpanKey, SpanKey] = TenantLRU(max_pending, per_key, _tenant_of, "max_pending")
 
     def compile_pending(self, limit: int | None = None) -> int:
         """Do up to ``limit`` (all: None) units of the work requests left: compile spans they computed
@@ -100,7 +102,7 @@ class SpanCache:
         place as exact prefix links. Returns how many units were done."""
         done = 0
         while self.pending and (limit is None or done < limit):
-            key, (kind, spans, tenant) = self.pending.popitem(last=False)
+            key, (kind, spans, tenant) = self.pending.popitem()  # the oldest
             if key not in self.store:
                 if kind == "alone":
                     self.compiled(spans[0], (), tenant)
@@ -138,11 +140,11 @@ class SpanCache:
         return len(ids)
 
     def _queue(self, key: SpanKey, kind: str, spans: tuple[Span, ...], tenant: Tenant | str) -> None:
-        _put_newest(self.pending, key, (kind, spans, tenant), self.max_pending)
+        self.pending[key] = (kind, spans, tenant)  # the newest: past a bound, the oldest of its key goes
 
     def _borrow(self, key: SpanKey, link: SpanKey) -> None:
         if key != link:
-            _put_newest(self.borrowed, key, link, self.max_pending)
+            self.borrowed[key] = link
 
     def _chain_key(self, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
         """The key of a span computed in place right after the exact prefix ``prev`` names (vLLM's

@@ -354,3 +354,31 @@ def test_a_finished_request_frees_its_kv_at_once(served, app_thread):
         finally:
             gc.enable()
     assert alive == 0
+
+
+def test_a_key_gets_one_queue_share_however_many_sub_tenants_it_names(served, app_thread):
+    """The per-tenant share of serve's queue is per API key: acme's requests under new sub-tenants count
+    against acme's share (429 past it), and globex's key still gets in."""
+    _, kit, _ = served
+
+    def chat(sub: str | None, max_tokens: int, stream: bool) -> dict:
+        return {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                **({"contextkit": {"tenant": sub}} if sub else {})}
+
+    keys = {"key-acme-0001": "acme", "key-globex-01": "globex"}
+    acme, globex = ({"authorization": f"Bearer {k}"} for k in keys)
+    limits = ServeLimits(max_queue=8, max_queue_per_tenant=2, max_active=4, rate=RateLimit())
+    app = create_serve_app(kit, "k", Tenancy(keys, allow_client_tenant=True), limits)
+    with app_thread(app) as s, contextlib.ExitStack() as streams:
+        long = [streams.enter_context(httpx.stream("POST", s.url + "/v1/chat/completions", headers=acme,
+                                                   json=chat(sub, 400, True), timeout=300)) for sub in ("s0", "s1")]
+        lines = [r.iter_lines() for r in long]  # kept: a line iterator closed closes its stream
+        for r, it in zip(long, lines):
+            assert r.status_code == 200
+            next(it)  # decoding
+        for sub in ("s2", None):  # a new sub-tenant, or the key's own tenant: acme's share is full
+            full = httpx.post(s.url + "/v1/chat/completions", headers=acme, json=chat(sub, 2, False), timeout=30)
+            assert full.status_code == 429 and "of this tenant" in full.json()["error"]["message"], sub
+        short = httpx.post(s.url + "/v1/chat/completions", headers=globex, json=chat("s2", 2, False), timeout=300)
+        assert short.status_code == 200, short.text

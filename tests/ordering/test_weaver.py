@@ -185,3 +185,22 @@ def test_memory_is_bounded_by_tenants_and_id_length():
     assert w.order(_docs("ba"), tenant="t2", record=False).matched_docs == 0  # dropped, starts afresh
     with pytest.raises(InputError, match="over 256"):
         w.order([Doc("x" * 257, 4)])
+
+
+def test_a_key_inventing_sub_tenants_evicts_only_its_own_trees():
+    """Trees are bounded per key tenant too: key ``acme`` naming a new sub-tenant on every request
+    (``acme:0``, ``acme:1``, ...) drops its own oldest trees, never another key's, while each sub-tenant
+    still has a tree of its own (they never learn each other's orders)."""
+    w = Weaver(block_size=1)  # the defaults: 1024 trees in all
+    w.order(_docs("abc"), tenant="globex")
+    w.order(_docs("abc"), tenant="acme")
+    for i in range(1100):  # more sub-tenants than the whole table holds
+        w.order(_docs("ab"), tenant=f"acme:{i}")
+    assert w.order(_docs("cba"), tenant="globex", record=False).matched_docs == 3  # globex's history is kept
+    assert w.tenants <= w.max_trees_per_key + 1 < w.max_tenants  # acme's trees (its own among them), and globex's
+    assert w.order(_docs("ba"), tenant="acme:1099", record=False).matched_docs == 2
+    assert w.order(_docs("ba"), tenant="acme:0", record=False).matched_docs == 0  # its own oldest went first
+    w.order(_docs("xy"), tenant="acme:1098")
+    assert w.order(_docs("yx"), tenant="acme:1099", record=False).matched_docs == 0  # sub-tenants stay apart
+    with pytest.raises(ConfigError, match="max_trees_per_key"):
+        Weaver(max_trees_per_key=0)

@@ -374,3 +374,22 @@ def test_a_conversation_reuses_its_earlier_turns_exactly_and_only_there(smol):
     # nor by another tenant
     asm = cache.assemble(planner.plan(ChatRequest(tuple(convo), reuse=ReuseOptions(), tenant=Tenant("b"))), 4)
     assert asm.report.exact_tokens == 0
+
+
+def test_a_key_inventing_sub_tenants_cannot_crowd_out_another_keys_pending_work(smol):
+    """Pending compiles and borrowed links are bounded per key tenant too: key ``acme`` computing a
+    document under a new sub-tenant each time drops its own oldest entries, never globex's."""
+    engine, tok, _, _, _, passages = smol
+    distinct = list({p.text: p for p in passages}.values())
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint, max_pending=8)  # 2 per key tenant
+    theirs = _plan_items(tok, distinct[:2], "Who?")
+    cache.assemble(RequestPlan(theirs, ReuseOptions(), tenant=Tenant("globex")))
+    keys = [span_key(cache.identity, it.span.token_ids, (), "globex") for it in theirs[1:-1]]
+    assert all(k in cache.pending and k in cache.borrowed for k in keys)
+    mine = _plan_items(tok, distinct[2:3], "Who?")
+    for i in range(10):  # more entries than the whole table holds
+        cache.assemble(RequestPlan(mine, ReuseOptions(), tenant=Tenant(f"acme:{i}")))
+    assert all(k in cache.pending and k in cache.borrowed for k in keys)  # globex's work is all there
+    acme = [k for k in cache.pending if k.tenant.startswith("acme:")]
+    assert len(acme) == 2 and {k.tenant for k in acme} == {"acme:8", "acme:9"}  # its own newest
+    assert sum(k.tenant.startswith("acme:") for k in cache.borrowed) == 2
