@@ -358,7 +358,8 @@ def test_a_finished_request_frees_its_kv_at_once(served, app_thread):
 
 def test_a_key_gets_one_queue_share_however_many_sub_tenants_it_names(served, app_thread):
     """The per-tenant share of serve's queue is per API key: acme's requests under new sub-tenants count
-    against acme's share (429 past it), and globex's key still gets in."""
+    against acme's share (429 past it), and globex's key still gets in; a key naming more sub-tenants
+    than the server allows at once gets 429 with Retry-After."""
     _, kit, _ = served
 
     def chat(sub: str | None, max_tokens: int, stream: bool) -> dict:
@@ -382,3 +383,10 @@ def test_a_key_gets_one_queue_share_however_many_sub_tenants_it_names(served, ap
             assert full.status_code == 429 and "of this tenant" in full.json()["error"]["message"], sub
         short = httpx.post(s.url + "/v1/chat/completions", headers=globex, json=chat("s2", 2, False), timeout=300)
         assert short.status_code == 200, short.text
+    capped = create_serve_app(kit, "k", Tenancy(keys, allow_client_tenant=True, max_sub_tenants=1), limits)
+    with app_thread(capped) as s:  # and a key names at most max_sub_tenants of them at once
+        first = httpx.post(s.url + "/v1/chat/completions", headers=acme, json=chat("s0", 1, False), timeout=300)
+        assert first.status_code == 200, first.text
+        more = httpx.post(s.url + "/v1/chat/completions", headers=acme, json=chat("s1", 1, False), timeout=30)
+        assert more.status_code == 429 and "sub-tenants" in more.json()["error"]["message"]
+        assert int(more.headers["retry-after"]) > 0
