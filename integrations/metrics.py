@@ -11,7 +11,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/tokenize", "/detokenize",
-          "/version", "/health", "/metrics", "chat_documents")
+          "/version", "/health", "/metrics", "chat_documents", "/v1/chat/completions/batch", "/v1/responses",
+          "/v1/messages", "/v1/messages/count_tokens")
 OTHER = "other"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
