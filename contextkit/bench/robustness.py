@@ -18,11 +18,13 @@ tenants that send one request each). Per server:
    (broken JSON, 3000 ``[``, random bytes, NaN), oversized ones (a body past the limit, a prompt past the
    context), spoofed ones (no key, a wrong key, a body naming another tenant, another tenant's name as
    ``cache_salt``) and dropped ones (half a body then a hang-up, a stream dropped after its first
-   bytes, a bare connect).
+   bytes, a bare connect), and against the proxy the boundary cases of ``bench.boundary``
+   (``kv_transfer_params`` injected or smuggled through ``vllm_xargs``, every generation route with
+   another tenant's salt, routes outside the allow-list, header tricks).
 3. **Leak probes**: each probe tenant sends, once, a documents request whose documents the good tenants
    sent (and, through the proxy, a good tenant's exact plain chat with that tenant's name as
-   ``cache_salt``). A first request of a new tenant depends on another tenant's history if it reports
-   cached or reordered anything: ``expected_cached_tokens``, ``reordered``, vLLM's ``cached_tokens``
+   ``cache_salt``; and each generation route, ``bench.boundary.route_probes``). A first request of a new
+   tenant depends on another tenant's history if it reports cached or reordered anything: ``expected_cached_tokens``, ``reordered``, vLLM's ``cached_tokens``
    (proxy), ``span_hits`` or ``cached_tokens`` (serve). A spoofed request answered 2xx counts too.
 4. **Forged KV** (serve): before serve starts, a forger with write access to the shared Redis tier but
    not the deployment secret compiles the documents of questions nobody asked yet under a good tenant's
@@ -62,15 +64,18 @@ from pathlib import Path
 
 import aiohttp
 
+from contextkit.bench.boundary import abuse_cases, route_probes
 from contextkit.bench.data import load_records
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.proxy import _rss_kb, _split_cpus
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.process import free_port, wait_for_health
+from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.vllm_server import served_model
 
 GOOD = 8
 DOCS = 6
+KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers")  # hand-made abuse
 SYSTEM = ("You answer questions for the {tenant} team. Keep answers short and cite the documents by title. "
           "Background the team keeps in every chat: {background}")
 
@@ -178,10 +183,10 @@ def _raw(port: int, data: bytes, timeout_s: float, *, read: bool = True, drop_af
         return int(head.split(b" ", 2)[1])
 
 
-def _http(path: str, body: bytes, key: str | None, ctype: str = "application/json") -> bytes:
+def _http(path: str, body: bytes, key: str | None, ctype: str = "application/json", extra: str = "") -> bytes:
     auth = f"authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n{auth}content-length: {len(body)}\r\n"
-            f"connection: close\r\n\r\n").encode() + body
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n{extra}{auth}content-length: {len(body)}"
+            f"\r\nconnection: close\r\n\r\n").encode() + body
 
 
 def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, dict]]:
@@ -208,6 +213,7 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
     if server == "proxy":
         out.append(("spoofed", _http("/v1/completions", json.dumps(
             {"model": model, "prompt": "Hello", "max_tokens": 2, "cache_salt": "good0"}).encode(), me), {}))
+        out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks
     out.append(("oversized", _http(chat, b'{"pad": "' + b"x" * (max_body + 16) + b'"}', me), {"big": True}))
     return out
 
@@ -220,8 +226,8 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
     from contextkit.bench.fuzz import documented, fuzz
 
     port = int(url.rsplit(":", 1)[1])
-    counts = {"fuzz": 0, "malformed": 0, "oversized": 0, "spoofed": 0, "dropped": 0, "server_errors": 0, "hangs": 0,
-              "spoof_accepted": 0, "findings": []}
+    counts = {"fuzz": 0, **{kind: 0 for kind in KINDS}, "server_errors": 0, "hangs": 0, "spoof_accepted": 0,
+              "findings": []}
     lock = threading.Lock()
     allowed = set().union(*documented(server).values())
     deadline = time.monotonic() + seconds
@@ -315,8 +321,9 @@ def _post(url: str, path: str, body: dict, key: str, timeout_s: float) -> tuple[
         return r.status_code, {}
 
 
-def _probe(url: str, server: str, work: Workload, probes: int, timeout_s: float) -> tuple[int, int, list[str]]:
-    """(probe requests, leaks, what leaked): each probe tenant's first requests must show nothing cached."""
+def _probe(url: str, server: str, work: Workload, probes: int, timeout_s: float) -> tuple[int, int, int, list[str]]:
+    """(probe requests, leaks, route probes armed, what leaked): each probe tenant's first requests must show
+    nothing cached; through the proxy also on every generation route (``bench.boundary``)."""
     leaks, sent, what = 0, 0, []
     for j in range(probes):
         key = f"key-probe-{j:03d}"
@@ -341,7 +348,12 @@ def _probe(url: str, server: str, work: Workload, probes: int, timeout_s: float)
             if status == 200 and cached:
                 leaks += 1
                 what.append(f"probe {j} (plain chat, cache_salt={tenant}): cached_tokens {cached}")
-    return sent, leaks, what
+    armed = 0
+    if server == "proxy":
+        n, route_leaks, armed, route_what = route_probes(
+            lambda path, body, key: _post(url, path, body, key, timeout_s), work.model, probes, GOOD)
+        sent, leaks, what = sent + n, leaks + route_leaks, what + route_what
+    return sent, leaks, armed, what
 
 
 def _forge(ctx: BenchContext, redis_url: str, work: Workload, victim: str) -> None:
@@ -416,7 +428,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
     baseline_s, duration_s, timeout_s = o("baseline_s", 60.0, float), o("duration_s", 300.0, float), o("timeout_s", 60.0, float)
     streams = o("streams", 64, int) if server == "proxy" else o("serve_streams", 8, int)
     max_tokens, probes = o("max_tokens", 8, int), o("probes", 16, int)
-    max_body = 32 << 20 if server == "proxy" else 8 << 20
+    max_body = ProxySettings.model_fields["max_body_bytes"].default if server == "proxy" else 8 << 20
     row: dict = {"server": server, "streams": streams}
     if server == "serve" and url_of.get("redis"):
         tick("serve: the forger writes the shared tier")
@@ -443,7 +455,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         rss1 = _rss_kb(proc.pid) / 1024
         kv1 = _metric(url, 'contextkit_kvstore_bytes{tier="memory"}') / 2**20 if server == "serve" else 0.0
         tick(f"{server}: probes")
-        sent, leaks, what = _probe(url, server, work, probes, timeout_s)
+        sent, leaks, armed, what = _probe(url, server, work, probes, timeout_s)
         if server == "serve" and url_of.get("redis"):
             rejected0 = _metric(url, "contextkit_kvstore_corrupt_total")
             forged, asked = _forged_served(url, work, timeout_s)
@@ -466,10 +478,10 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         good_ttft_ms_p50_abuse=round(percentile(under, 50), 1), good_ttft_ms_p99_abuse=round(p99_under, 1),
         good_ttft_p99_ratio=round(p99_under / p99_base, 3),
         schemathesis_requests=counts["fuzz"],
-        **{f"{k}_requests": counts[k] for k in ("malformed", "oversized", "spoofed", "dropped")},
-        fuzz_requests=counts["fuzz"] + sum(counts[k] for k in ("malformed", "oversized", "spoofed", "dropped")),
+        **{f"{k}_requests": counts[k] for k in KINDS},
+        fuzz_requests=counts["fuzz"] + sum(counts[k] for k in KINDS),
         server_errors=counts["server_errors"], hangs=counts["hangs"] + hangs + base_hangs,
-        cross_tenant_leaks=leaks + counts["spoof_accepted"], probe_requests=sent,
+        cross_tenant_leaks=leaks + counts["spoof_accepted"], probe_requests=sent, route_probes_armed=armed,
         rss_mb_baseline=round(rss0, 1), rss_mb_end=round(rss1, 1), healthy_after=health == 200,
     )  # fmt: skip
     if server == "serve":  # the span memory tier grows to its byte budget by design: reported beside
@@ -526,7 +538,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 svc.stop()
     worst = {"fuzz_requests": min, "schemathesis_requests": min, "server_errors": max, "hangs": max,
              "cross_tenant_leaks": max, "good_ttft_p99_ratio": max, "good_errors": max, "rss_growth": max,
-             "forged_entries_served": max, "forged_entries_rejected": min}
+             "forged_entries_served": max, "forged_entries_rejected": min, "route_probes_armed": min}
     summary = {}
     for key, pick in worst.items():
         values = [r[key] for r in rows if key in r]
