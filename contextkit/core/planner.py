@@ -10,7 +10,9 @@ a request renders to the same tokens on every path (a test holds them to it):
 
 Ordering is asked without recording: the caller records the served order (``Orderer.record``) once the
 engine has accepted the request, so a refused request never claims KV the engine does not hold.
-Rendered tokens are cached by content in LRU caches bounded by bytes.
+Rendered tokens are cached by content in LRU caches bounded by bytes, one set per tenant: how fast a
+request is planned (a hit skips tokenizing) must not tell one tenant that another sent the same
+document, so a tenant's hit depends only on its own requests.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Literal, Protocol
 from cachetools import LRUCache
 
 from contextkit.core.align import align
-from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
+from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces, render_skill
 from contextkit.core.tenant import Tenant
@@ -147,6 +149,34 @@ def _ids_bytes(value: tuple) -> int:
     return 56 + 8 * len(value)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenCacheStats:
+    """One tenant's rendered-token caches: lookups that hit, lookups that missed, bytes held."""
+
+    hits: int = 0
+    misses: int = 0
+    nbytes: int = 0
+
+
+_TENANT_OVERHEAD = 256  # bytes charged for a tenant's (empty) caches, so the tenant table's bound counts it
+
+
+class _TenantTokens:
+    """One tenant's rendered-token caches: blocks (documents, skills) and chat frames, each half of
+    ``nbytes``, so a long conversation cannot evict the documents."""
+
+    __slots__ = ("blocks", "frames", "hits", "misses")
+
+    def __init__(self, nbytes: int):
+        self.blocks: LRUCache = LRUCache(nbytes // 2, getsizeof=_ids_bytes)
+        self.frames: LRUCache = LRUCache(nbytes // 2, getsizeof=_ids_bytes)
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.currsize + self.frames.currsize + _TENANT_OVERHEAD
+
+
 class Planner:
     """Renders requests for one tokenizer (one model). Thread-safe.
 
@@ -154,33 +184,61 @@ class Planner:
         tokenizer: the model's tokenizer (the engine's, or the upstream vLLM's model).
         block_size: the engine's KV block size (prompt-path alignment; 1 = none).
         context_limit: the model's context in tokens, checked by every plan unless a call passes its own.
-        cache_bytes: bound of the rendered-token caches (documents and chat frames), in bytes.
+        cache_bytes: bound of the rendered-token caches of all tenants together, in bytes; past it the
+            least recently used tenant's caches are dropped whole (what another tenant's traffic can do
+            to yours is make it slower, never tell you what they sent).
+        tenant_cache_bytes: bound of one tenant's caches (documents and chat frames), in bytes (default: a
+            quarter of ``cache_bytes``, so one busy tenant leaves room for others).
     """
 
     def __init__(self, tokenizer: Tokenizer, block_size: int = 1, context_limit: int | None = None,
-                 cache_bytes: int = 64 << 20):
+                 cache_bytes: int = 64 << 20, tenant_cache_bytes: int | None = None):
         if block_size < 1:
             raise InputError(f"block_size must be >= 1, got {block_size}")
+        per_tenant = tenant_cache_bytes if tenant_cache_bytes is not None else cache_bytes // 4
+        if not 2 * _TENANT_OVERHEAD <= per_tenant <= cache_bytes - _TENANT_OVERHEAD:
+            raise ConfigError(f"tenant_cache_bytes {per_tenant} must be between {2 * _TENANT_OVERHEAD} and "
+                              f"cache_bytes ({cache_bytes}) less {_TENANT_OVERHEAD}; raise cache_bytes")
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.context_limit = context_limit
         self.pad_id = tokenizer.encode("\n")[-1]  # a blank line: the least intrusive filler we can send
         self._probe = tuple(tokenizer.encode(PROBE))
-        self._docs: LRUCache = LRUCache(cache_bytes // 2, getsizeof=_ids_bytes)
-        self._frames: LRUCache = LRUCache(cache_bytes // 2, getsizeof=_ids_bytes)
+        self._tenant_bytes = per_tenant
+        # tenant name -> its caches, least recently used first; weighed by the bytes each holds
+        self._tenants: LRUCache = LRUCache(cache_bytes, getsizeof=lambda t: t.nbytes)
         self._lock = threading.Lock()
 
-    def _block(self, key: str, text) -> tuple[int, ...]:
-        """Tokens of a rendered block, cached under ``key`` (``text()`` renders it on a miss)."""
+    def token_cache(self, tenant: Tenant | str = Tenant()) -> TokenCacheStats:
+        """``tenant``'s rendered-token caches now (all zero if it has none)."""
         with self._lock:
-            ids = self._docs.get(key)
-        if ids is None:
-            ids = tuple(self.tokenizer.encode(text()))
-            with self._lock:
-                self._docs[key] = ids
-        return ids
+            mine = self._tenants.get(Tenant.of(tenant).name)
+            return TokenCacheStats(mine.hits, mine.misses, mine.nbytes) if mine else TokenCacheStats()
 
-    def document_tokens(self, doc: Evidence) -> tuple[int, ...]:
+    def _cached(self, tenant: Tenant, table: Literal["blocks", "frames"], key: str, make):
+        """``make()``'s value, cached under ``key`` in ``tenant``'s own ``table``."""
+        name = Tenant.of(tenant).name
+        with self._lock:
+            mine = self._tenants.get(name)
+            got = getattr(mine, table).get(key) if mine is not None else None
+            if got is not None:
+                mine.hits += 1
+                return got
+        value = make()  # outside the lock: tokenizing is the slow part, and other tenants need not wait
+        with self._lock:
+            mine = self._tenants.pop(name, None) or _TenantTokens(self._tenant_bytes)
+            mine.misses += 1
+            cache = getattr(mine, table)
+            if cache.getsizeof(value) <= cache.maxsize:  # a block larger than the whole cache is not kept
+                cache[key] = value
+            self._tenants[name] = mine  # weighed again: past cache_bytes the least recent tenants go
+        return value
+
+    def _block(self, key: str, text, tenant: Tenant) -> tuple[int, ...]:
+        """Tokens of a rendered block, cached under ``key`` (``text()`` renders it on a miss)."""
+        return self._cached(tenant, "blocks", key, lambda: tuple(self.tokenizer.encode(text())))
+
+    def document_tokens(self, doc: Evidence, tenant: Tenant = Tenant()) -> tuple[int, ...]:
         """The document's block of tokens, cached by content (a client may reuse an id for other text).
 
         Tokenized as the block reads inside a prompt, where text always follows it (the next document,
@@ -188,14 +246,9 @@ class Planner:
         string than before a word. SmolLM2's encodes a block's closing blank line as one token alone and
         as two before ``Document``; the one-token form put ~1 token per document that the whole prompt,
         tokenized as one string (what a framework sends vLLM), never has, and changed answers (bench
-        pipelines: answer F1 -1.6 points against the same prompt sent as text, 7 of 40 answers changed)."""
-        with self._lock:
-            ids = self._docs.get(_content_digest(doc))
-        if ids is None:
-            ids = self._before_text(render_document(doc))
-            with self._lock:
-                self._docs[_content_digest(doc)] = ids
-        return ids
+        pipelines: answer F1 -1.6 points against the same prompt sent as text, 7 of 40 answers changed).
+        Cached in ``tenant``'s own cache."""
+        return self._cached(tenant, "blocks", _content_digest(doc), lambda: self._before_text(render_document(doc)))
 
     def _before_text(self, text: str) -> tuple[int, ...]:
         """``text``'s tokens when a word follows it: ``text + probe`` tokenized, less the probe's own tokens
@@ -206,10 +259,10 @@ class Planner:
             return tuple(ids[: -len(probe)])
         return tuple(self.tokenizer.encode(text))
 
-    def skill_tokens(self, skill: Skill) -> tuple[int, ...]:
-        """The skill's block of tokens, cached by content."""
+    def skill_tokens(self, skill: Skill, tenant: Tenant = Tenant()) -> tuple[int, ...]:
+        """The skill's block of tokens, cached by content in ``tenant``'s cache."""
         key = "skill:" + hashlib.sha256(f"{skill.name}\x00{skill.text}".encode()).hexdigest()
-        return self._block(key, lambda: render_skill(skill))
+        return self._block(key, lambda: render_skill(skill), tenant)
 
     def errata_tokens(self, skill: Skill) -> list[tuple[int, ...]]:
         """One block of tokens per erratum of ``skill``, in order."""
@@ -227,13 +280,8 @@ class Planner:
         if with_docs and request.default_system and not any(m.role == "system" for m in msgs):
             msgs.insert(0, Message("system", request.default_system))
         key = json.dumps([with_docs, with_skills, request.documents_at, [(m.role, m.content) for m in msgs]])
-        with self._lock:
-            got = self._frames.get(key)
-        if got is None:
-            got = render_pieces(self.tokenizer, msgs, with_docs, with_skills, request.documents_at)
-            with self._lock:
-                self._frames[key] = got
-        return got
+        return self._cached(request.tenant, "frames", key,
+                            lambda: render_pieces(self.tokenizer, msgs, with_docs, with_skills, request.documents_at))
 
     def docs(self, request: ChatRequest) -> tuple[Doc, ...]:
         """The request's documents as an orderer sees them: id and rendered length (rounded up to the
@@ -250,7 +298,7 @@ class Planner:
             if did in seen:
                 raise InputError(f"documents[{i}] repeats id {did!r}; send each document once", "documents")
             seen.add(did)
-            n = len(self.document_tokens(d))
+            n = len(self.document_tokens(d, request.tenant))
             out.append(Doc(did, n + (-n % bs)))
         return tuple(out)
 
@@ -271,9 +319,10 @@ class Planner:
         head, middle = _ids(head_pieces), _ids(middle_pieces)
         skills = sorted(request.skills, key=lambda s: (s.name, s.version))  # one canonical order
         # each skill, then its errata (computed in context: they must read the skill they correct)
-        pre_items = [(b, s, i) for s in skills for i, b in enumerate([self.skill_tokens(s), *self.errata_tokens(s)])]
+        pre_items = [(b, s, i) for s in skills
+                     for i, b in enumerate([self.skill_tokens(s, request.tenant), *self.errata_tokens(s)])]
         pre = [b for b, _, _ in pre_items] + ([middle] if middle else [])
-        blocks = [self.document_tokens(request.documents[i]) for i in order]
+        blocks = [self.document_tokens(request.documents[i], request.tenant) for i in order]
         padding = 0
         if request.block_align and self.block_size > 1:  # the prompt path: the prefix padded as one run
             aligned = align(head, pre + blocks, self.block_size, self.pad_id)

