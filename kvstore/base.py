@@ -2,8 +2,10 @@
 
 ``KVStore`` is what every tier implements (memory, disk, remote) and what ``TieredStore`` composes.
 Keys are any objects with ``digest`` (hex, names everything that determines the bytes) and
-``tenant`` (the tenant's name); the span cache's ``SpanKey`` is one. A store never returns an entry that fails
-its checks: it drops it, counts it under ``corrupt`` and answers a miss, so the caller recomputes.
+``tenant`` (the tenant's name); the span cache's ``SpanKey`` is one. The digest hashes public things (a
+model's fingerprint, the tenant's name, token ids), so a tier that leaves the process writes neither it nor
+the name: it writes keyed hashes of both (``kvstore.entry.StoreNames``). A store never returns an entry that
+fails its checks: it drops it, counts it under ``corrupt`` and answers a miss, so the caller recomputes.
 """
 
 from __future__ import annotations

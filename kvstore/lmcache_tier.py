@@ -9,9 +9,10 @@ uint8 ``MemoryObj``; LMCache moves and keeps the bytes, we check them on the way
 Our config maps onto LMCache's keys in ``lmcache_config`` (and only there). LMCache's sharp edges on a
 CPU machine, each worked around here and tested (tests/kvstore):
 - Chunk hashes: without vLLM LMCache hashes tokens with Python ``hash()`` (salted per process). We never
-  let it hash: the key's ``chunk_hash`` is the first 64 bits of our sha256 digest, the same in every
-  process; the full digest is in the entry header and checked on every read, so a 64-bit collision (or
-  another model's entry under the same hash) is a miss, never a wrong KV.
+  let it hash: the key's ``chunk_hash`` is the first 64 bits of its keyed name (``StoreNames``, from the
+  deployment's secret: the same in every process sharing it, and nothing a reader of Redis or the disk can
+  compute from a guessed document); the full name is in the entry header and checked on every read, so a
+  64-bit collision (or another key's entry under the same hash) is a miss, never a wrong KV.
 - LocalDiskBackend keeps its index in memory only and does not reload its files after a restart; it
   also writes files in place (a crash leaves a truncated file). We scan the directory at start and
   register every file with ``insert_key``, register files another process wrote on a miss, write
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import hashlib
 import os
 import shutil
 import socket
@@ -54,7 +54,7 @@ from pathlib import Path
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.core.errors import CorruptEntryError
-from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, decode, encode
+from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, StoreNames, decode, encode
 
 _BACKEND = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "remote": "RemoteBackend"}
 _patch_lock = threading.Lock()
@@ -142,13 +142,15 @@ def _private_prometheus_dir() -> None:
         atexit.register(shutil.rmtree, path, True)
 
 
-def chunk_hash(digest: str) -> int:
-    return int(digest[:16], 16)
+def chunk_hash(digest: str, *, names: StoreNames) -> int:
+    """LMCache's chunk hash of a key: 64 bits of its keyed name, never of its digest (a public hash)."""
+    return int(names.digest(digest)[:16], 16)
 
 
-def tenant_tag(tenant: str) -> str:
-    """A name-safe tag of the tenant for LMCache's model_name field (keys of tenants never meet)."""
-    return "contextkit." + hashlib.sha256(tenant.encode()).hexdigest()[:12]
+def tenant_tag(tenant: str, *, names: StoreNames) -> str:
+    """A name-safe tag of the tenant for LMCache's model_name field (keys of tenants never meet), keyed:
+    whoever reads the store can tell tenants apart but cannot tell which tenant is whose."""
+    return "contextkit." + names.tenant(tenant)[:24]
 
 
 class LMCacheTier:
@@ -192,7 +194,9 @@ class LMCacheTier:
     def _key(self, key: StoreKey):
         from lmcache.utils import CacheEngineKey
 
-        return CacheEngineKey(tenant_tag(key.tenant), 1, 0, chunk_hash(key.digest), self._torch.uint8)
+        names = StoreNames.of(self.cfg.mac_key)  # the names' key: derived from the secret, like the MAC's
+        return CacheEngineKey(tenant_tag(key.tenant, names=names), 1, 0, chunk_hash(key.digest, names=names),
+                              self._torch.uint8)
 
     # -- disk workarounds --------------------------------------------------------------------------
     def _disk(self):

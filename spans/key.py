@@ -51,7 +51,8 @@ class SpanKey:
 
     @property
     def digest(self) -> str:
-        """A stable hex name for the key (storage file names, remote keys)."""
+        """A stable hex name for the key. Anyone can compute it from a guessed document, so it never leaves
+        the process as it is: the disk and remote tiers store a keyed name of it (``kvstore.entry.StoreNames``)."""
         ident = self.identity
         payload = {
             "model": ident.model,

@@ -72,7 +72,8 @@ class KVGeometry:
 
 
 def tenant_name(salt: str | None) -> str:
-    """The kvstore tenant an entry is filed under: a digest of the salt, never the salt itself."""
+    """The kvstore tenant an entry is filed under: a digest of the salt, never the salt itself (and the
+    tiers store only a keyed tag of this, ``kvstore.entry.StoreNames``, like every digest here)."""
     return "salt." + hashlib.sha256((salt or "").encode()).hexdigest()[:20] if salt else "unsalted"
 
 

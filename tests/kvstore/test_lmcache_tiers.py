@@ -19,6 +19,8 @@ from contextkit.integrations.services import lmcache_server, redis_server
 from contextkit.integrations.vllm_server import free_port
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig, lmcache_config
 
+from contextkit.kvstore.entry import encode_bytes
+
 from kvhelpers import MAC, Key, entry, key, same
 
 pytestmark = pytest.mark.slow
@@ -76,15 +78,23 @@ def test_config_maps_onto_lmcache_keys(tmp_path):
             LMCacheTierConfig(**{"mac_key": MAC, **bad})
 
 
+def _put_under(tier, name_of: Key, e) -> None:
+    """Store ``e``'s bytes (a good MAC, another key's header) under ``name_of``'s LMCache key: what a
+    collision of two keys' 64-bit chunk hashes does (keyed, so a test cannot find one to make)."""
+    data = bytearray(encode_bytes(e, MAC))
+    obj = tier._sm.allocate(torch.Size([len(data)]), torch.uint8)
+    obj.tensor.reshape(-1).copy_(torch.frombuffer(data, dtype=torch.uint8))
+    tier._sm.batched_put([tier._key(name_of)], [obj])
+
+
 def test_a_colliding_chunk_hash_is_a_miss_not_a_wrong_entry(tiers):
-    """LMCache keys carry 64 bits of our digest; two keys equal in those bits (another model's span,
-    say) meet in LMCache, and the full digest in the entry header refuses the wrong one."""
-    first = Key("ab" * 8 + "0" * 48)
-    other = Key("ab" * 8 + "1" * 48)  # same first 64 bits, different key
+    """LMCache keys carry 64 bits of a key's keyed name; two keys equal in those bits (another model's
+    span, say) meet in LMCache, and the full name in the entry header refuses the wrong one."""
+    first, other = key("first"), key("other")
     for name in ("cpu", "disk", "redis"):
         tier = tiers[name]
-        tier.put(first, entry(first, 16, seed=1))
-        assert tier.wait_visible(first)
+        _put_under(tier, other, entry(first, 16, seed=1))
+        assert tier.wait_visible(other)
         assert tier.get(other) is None, name
         assert tier.stats()["corrupt"] == 1, name
 
@@ -281,7 +291,7 @@ def test_forged_entries_are_never_served(tmp_path):
         tier.close()
     other = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=bytes(range(1, 33))))
     try:
-        assert other.get(k) is None and other.stats()["corrupt"] == 1  # another deployment's key
+        assert other.get(k) is None and other.stats()["corrupt"] == 0  # another deployment names it otherwise
     finally:
         other.close()
 
