@@ -259,7 +259,10 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
         prompt = body.get("prompt", "")
         if not isinstance(prompt, str):
             raise InputError("prompt must be a string", "prompt")
-        ids = kit.tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", False)))
+        # up to max_body_bytes of text: tokenized on a worker thread (the loop's default executor, a few
+        # threads), so the streams this loop feeds keep flowing meanwhile
+        ids = await asyncio.to_thread(kit.tokenizer.encode, prompt,
+                                      add_special_tokens=bool(body.get("add_special_tokens", False)))
         return {"tokens": ids, "count": len(ids), "max_model_len": kit.engine.spec.max_positions}
 
     @app.post("/v1/chat/completions")

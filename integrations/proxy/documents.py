@@ -11,12 +11,19 @@ served order is recorded in the upstream's tree only once the upstream has accep
 With ``kv_connector`` set, a request may opt in to position-independent span reuse (``spans.py``): it
 goes with its spans in ``kv_transfer_params`` under a ``cache_salt`` of its own, its order is not recorded
 (it is not an exact prefix), and spans new to the upstream are compiled after it.
+
+Planning tokenizes every document (up to ``max_body_bytes`` of text): it runs off the event loop
+(``Planning``), so the streams the proxy relays keep flowing while a large request is planned.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+from contextkit.core.errors import ConfigError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
@@ -26,6 +33,41 @@ from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, comple
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
 from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, segments_of, spans_of
 from contextkit.integrations.upstreams import Upstream
+
+# Plannings at once. Tokenizing is CPU-bound (the tokenizer's Rust core runs without the GIL), so more
+# threads than the cores left over from the event loop only slow each other down, and each planning holds
+# its request's tokens (~75 MB as Python ints for an 8 MiB body); two keep one core for the relay on a small
+# machine and bound that memory; the others wait their turn without holding a thread.
+MAX_PLANNINGS = 2
+
+
+class Planning:
+    """Runs planner calls on threads of its own, at most ``limit`` at once, off the event loop.
+
+    Threads of its own, not the loop's default executor: that one also resolves upstream host names
+    (aiohttp's resolver), which a few long plannings must not hold up. ``close()`` when the app stops.
+    """
+
+    def __init__(self, limit: int = MAX_PLANNINGS):
+        if limit < 1:
+            raise ConfigError(f"plannings at once must be >= 1, got {limit}")
+        self.limit = limit
+        self._pool = ThreadPoolExecutor(limit, thread_name_prefix="contextkit-plan")
+        self._slots = asyncio.Semaphore(limit)  # waiters queue here, on the loop, cancellable
+        self.running = 0
+
+    async def run(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on a planning thread, once one of the ``limit`` slots is free."""
+        async with self._slots:
+            self.running += 1
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool,
+                                                                        functools.partial(fn, *args, **kwargs))
+            finally:
+                self.running -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def completion_body(body: dict, chat: ChatBody, plan: RequestPlan, salt: str) -> dict:
@@ -57,19 +99,22 @@ def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: 
 
 
 async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: Tenant, scope, receive, send,
-                    body: dict, t: dict) -> None:
+                    body: dict, t: dict, planning: Planning | None = None) -> None:
     """Answer a documents request for ``tenant`` (its key's; errors raised before the response starts are
-    the caller's to send)."""
+    the caller's to send). The planner runs on ``planning``'s threads (None: the loop's default executor,
+    still off the loop)."""
+    off_loop = planning.run if planning is not None else asyncio.to_thread
     connector = ups.settings.kv_connector
     chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name), allow_reuse=connector != "none",
                                reuse_default=False)
     if request.reuse is not None:
         check_options(connector, chat.contextkit.reuse.model_dump(exclude_none=True))
-    docs = planner.docs(request)
+    docs = await off_loop(planner.docs, request)  # tokenizes every document: never on the loop
     u = ups.pool.route(docs, request.tenant)
     if u is None:
         ups.least_loaded()  # raises the 503
-    plan = planner.plan(request, u.weaver, context_limit=await ups.model_len(u))
+    limit = await ups.model_len(u)
+    plan = await off_loop(planner.plan, request, u.weaver, context_limit=limit)
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
     salt = tenancy.cache_salt(plan.tenant)
     out = completion_body(body, chat, plan, salt)
@@ -99,7 +144,8 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
         elif connector == "contextkit":
             ids = plan.ids
-            ups.compiler.schedule(u.url, chat.model, salt, [ids[s:e] for s, e in spans_of(plan)])
+            ups.compiler.schedule(u.url, chat.model, salt, [ids[s:e] for s, e in spans_of(plan)],
+                                  tenant=plan.tenant)
         if chat.stream:
             return await translate_stream(ups, u, resp, plan, receive, send, t, reuse)
         try:
@@ -124,7 +170,7 @@ def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, 
         ids = plan.ids
         for s, e in missing:
             ups.compiler.forget(u.url, salt, ids[s:e])
-        ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in missing])
+        ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in missing], tenant=plan.tenant)
     return {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing)}
 
 

@@ -66,7 +66,7 @@ class Upstreams:
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
         self._model_len: dict[str, int | None] = {}
-        self.compiler = SpanCompiler(self._post_json, settings.span_compiles)
+        self.compiler = SpanCompiler(self._post_json, settings.span_compiles, registry=metrics.registry)
         self._separator: list[int] | None = None
 
     def blend_separator(self, tokenizer) -> list[int]:

@@ -23,7 +23,7 @@ class ProxySettings(BaseSettings):
     model: str = "smollm2-135m-instruct"  # tokenizer used to render documents; must be the upstream's
     cache_dir: Path = Path("~/.cache/contextkit")
     health_interval_s: float = 5.0
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = 8 << 20  # 413 past it; a 1M-token context is ~4 MiB of text, ~7 MiB as token ids (serve's too)
     max_n: int = 16  # choices per request (``n``); vLLM takes thousands, each one decoding on the shared server
     graceful_shutdown_s: float = 30.0
     # tenancy (contextkit.core.tenancy): keys -> tenants; none = open, loopback only

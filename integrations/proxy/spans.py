@@ -13,9 +13,10 @@ Two namespaces keep approximate KV request-only:
   leaves in vLLM's prefix cache (made from approximate KV) are hit only by requests with the same opt-in.
 
 Spans the proxy has not seen compiled on an upstream are compiled after the request, off its path: one
-request per span (its tokens alone, ``mode: span``), a few at a time, so the first request with a new
-document is a full prefill and the next ones reuse it. A span the connector reports missing (evicted,
-or the store was down) is compiled again.
+request per span (its tokens alone, ``mode: span``), a few at a time from a bounded backlog (a span
+past its bounds is dropped, counted, and scheduled again by a later request), so the first request with
+a new document is a full prefill and the next ones reuse it. A span the connector reports missing
+(evicted, or the store was down) is compiled again.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 
-from contextkit.core.errors import InputError
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
+
+from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import RequestPlan, ReuseOptions
+from contextkit.core.tenant import Tenant
 
 log = logging.getLogger("contextkit.proxy")
 
@@ -92,22 +98,45 @@ def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions) -> dict:
 
 
 class SpanCompiler:
-    """Compiles spans on upstreams in the background; remembers (bounded) which ones it compiled.
+    """Compiles spans on upstreams in the background, from a bounded backlog; remembers (bounded) which
+    ones it compiled.
+
+    Every span a request names that this proxy has not compiled is a compile (a prefill on the upstream),
+    so a client sending new documents in a loop could grow the work without end. The backlog is bounded
+    in all (``max_backlog``) and per key tenant (``max_per_tenant``, compiles queued or running; the salt
+    when no tenant is given): past either, the span is dropped and counted
+    (``contextkit_proxy_span_compiles_dropped{reason}``), not remembered, so a later request naming it
+    schedules it again. One tenant's flood thus fills at most its share, and the others' spans still
+    queue.
 
     Args:
         post: ``async post(upstream_url, body: bytes) -> int`` (the status), the proxy's own session.
         concurrency: compiles running at once per proxy (each is a prefill on the upstream).
         remember: compiled spans kept in memory before the oldest is forgotten (and compiled again).
+        max_backlog: compiles waiting to run, in all.
+        max_per_tenant: compiles of one key tenant queued or running (default: a quarter of the backlog).
+        registry: the Prometheus registry the drop counter goes to (the proxy's; None: none).
     """
 
-    def __init__(self, post, concurrency: int = 2, remember: int = 65536):
+    def __init__(self, post, concurrency: int = 2, remember: int = 65536, *, max_backlog: int = 256,
+                 max_per_tenant: int | None = None, registry: CollectorRegistry | None = None):
+        per_tenant = max_per_tenant if max_per_tenant is not None else max(1, max_backlog // 4)
+        if min(concurrency, remember, max_backlog, per_tenant) < 1:
+            raise ConfigError(f"span compiles: concurrency {concurrency}, remember {remember}, max_backlog "
+                              f"{max_backlog} and max_per_tenant {per_tenant} must all be >= 1")
         self._post = post
-        self._sem = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
         self._known: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._remember = remember
-        self._tasks: set[asyncio.Task] = set()
+        self.max_backlog, self.max_per_tenant = max_backlog, per_tenant
+        self._backlog: deque[_Compile] = deque()
+        self._per_tenant: Counter[str] = Counter()  # key tenant (or salt) -> its compiles queued or running
+        self._workers: set[asyncio.Task] = set()
+        self._running = 0
         self.compiled = 0
         self.failed = 0
+        self.dropped = PromCounter("contextkit_proxy_span_compiles_dropped", "span compiles not scheduled: the "
+                                   "backlog was full, or the tenant had its share of it", ("reason",), registry=registry)
 
     @staticmethod
     def _key(url: str, salt: str, ids) -> tuple[str, str, str]:
@@ -115,17 +144,36 @@ class SpanCompiler:
 
     @property
     def pending(self) -> int:
-        return len(self._tasks)
+        """Compiles queued or running."""
+        return len(self._backlog) + self._running
+
+    @property
+    def backlog(self) -> int:
+        """Compiles waiting to run."""
+        return len(self._backlog)
+
+    def pending_of(self, owner: Tenant | str) -> int:
+        """Compiles of ``owner`` (a tenant: its key tenant's; a string: a salt) queued or running."""
+        return self._per_tenant.get(_owner(owner), 0)
 
     def forget(self, url: str, salt: str, ids) -> None:
         self._known.pop(self._key(url, salt, ids), None)
 
-    def schedule(self, url: str, model: str | None, salt: str, spans: list[list[int]]) -> None:
-        """Compile every span in ``spans`` (token ids) this proxy has not compiled on ``url`` for ``salt``."""
+    def schedule(self, url: str, model: str | None, salt: str, spans: list[list[int]], *,
+                 tenant: Tenant | None = None) -> None:
+        """Compile every span in ``spans`` (token ids) this proxy has not compiled on ``url`` for ``salt``,
+        within the backlog's bounds (``tenant``: whose share it takes; None: the salt's)."""
+        owner = _owner(tenant if tenant is not None else salt)
         for ids in spans:
             key = self._key(url, salt, ids)
             if key in self._known:
                 self._known.move_to_end(key)
+                continue
+            if len(self._backlog) >= self.max_backlog:
+                self.dropped.labels("backlog_full").inc()
+                continue
+            if self._per_tenant[owner] >= self.max_per_tenant:
+                self.dropped.labels("tenant_share").inc()
                 continue
             self._known[key] = None
             while len(self._known) > self._remember:
@@ -134,24 +182,58 @@ class SpanCompiler:
                     "kv_transfer_params": {"contextkit": {"mode": "span"}}}
             if model:
                 body["model"] = model
-            task = asyncio.create_task(self._compile(url, key, json.dumps(body).encode()))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._backlog.append(_Compile(url, key, owner, json.dumps(body).encode()))
+            self._per_tenant[owner] += 1
+        while self._backlog and len(self._workers) < self._concurrency:
+            task = asyncio.create_task(self._work())
+            self._workers.add(task)
 
-    async def _compile(self, url: str, key, body: bytes) -> None:
-        async with self._sem:
-            try:
-                status = await self._post(url, body)
-            except Exception as exc:  # noqa: BLE001 - a failed compile is a later miss, compiled again
-                status = f"failed: {exc}"
+    async def _work(self) -> None:
+        """Run queued compiles until the backlog is empty (one of at most ``concurrency`` workers)."""
+        try:
+            while self._backlog:
+                job = self._backlog.popleft()
+                self._running += 1
+                try:
+                    await self._compile(job)
+                finally:
+                    self._running -= 1
+                    self._per_tenant[job.owner] -= 1
+                    if self._per_tenant[job.owner] <= 0:
+                        del self._per_tenant[job.owner]
+        finally:
+            # leave the set before returning, with no await in between: a compile scheduled from now on
+            # starts a worker of its own instead of waiting on this one
+            self._workers.discard(asyncio.current_task())
+
+    async def _compile(self, job: _Compile) -> None:
+        try:
+            status = await self._post(job.url, job.body)
+        except Exception as exc:  # noqa: BLE001 - a failed compile is a later miss, compiled again
+            status = f"failed: {exc}"
         if status == 200:
             self.compiled += 1
             return
         self.failed += 1
-        self._known.pop(key, None)
-        log.warning({"span_compile": url, "status": status})
+        self._known.pop(job.key, None)
+        log.warning({"span_compile": job.url, "status": status})
 
     async def idle(self) -> None:
         """Wait for the compiles scheduled so far (benchmarks and tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        while self._workers:
+            await asyncio.gather(*list(self._workers), return_exceptions=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Compile:
+    """One queued compile: where, its remembered key, whose share it takes, and the request body."""
+
+    url: str
+    key: tuple[str, str, str]
+    owner: str
+    body: bytes
+
+
+def _owner(owner: Tenant | str) -> str:
+    """The name a compile's share is charged to: a tenant's key tenant (its sub-tenants share one), or a salt."""
+    return "t:" + owner.key_tenant.name if isinstance(owner, Tenant) else "s:" + owner

@@ -451,3 +451,163 @@ def test_a_conversation_is_never_cut_into_connector_spans(smol_dir):
         assert sum(it.span.kind == "history" for it in plan.items) >= n_head - 1
     single = planner.plan(ChatRequest.ask("Where is Paris?", docs, ordering="retrieval"))
     assert segments_of(single) == [tuple(it.span.token_ids) for it in single.items]
+
+
+# --- issue #26, points 6 and 7: the span compile backlog is bounded; documents are planned off the loop ---
+
+
+def test_a_flood_of_unseen_spans_never_grows_the_compile_backlog_past_its_bounds():
+    """One task per unseen span made the backlog as long as a client's supply of new documents. Now it is
+    bounded in all and per key tenant (its sub-tenants' salts share one share): past either, a span is
+    dropped, counted, and not remembered (a later request schedules it again)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from contextkit.integrations.proxy.spans import SpanCompiler
+
+    registry = CollectorRegistry()
+
+    def dropped(reason: str) -> float:
+        return registry.get_sample_value("contextkit_proxy_span_compiles_dropped_total", {"reason": reason}) or 0
+
+    async def scenario():
+        release, two_running = asyncio.Event(), asyncio.Event()
+        posted = []
+
+        async def post(url, body):  # the upstream, busy until the test lets its compiles finish
+            posted.append(json.loads(body)["cache_salt"])
+            if len(posted) == 2:
+                two_running.set()
+            await release.wait()
+            return 200
+
+        c = SpanCompiler(post, 2, max_backlog=8, max_per_tenant=3, registry=registry)
+        for i in range(500):  # one key floods with new spans, under seven sub-tenants (salts)
+            c.schedule("http://u", "m", f"salt-g{i % 7}", [[i, i + 1]], tenant=Tenant(f"greedy:s{i % 7}"))
+            assert c.backlog <= 3
+        assert c.pending_of(Tenant("greedy")) == 3 and dropped("tenant_share") == 497
+        for name in ("a", "b", "c"):
+            c.schedule("http://u", "m", f"salt-{name}", [[1000 + k] for k in range(3)], tenant=Tenant(name))
+        # greedy's 3 + a's 3 + b's first 2 fill the backlog: b's third and all of c's are dropped
+        assert c.backlog == 8 and c.pending_of(Tenant("a")) == 3 and dropped("backlog_full") == 4
+        await two_running.wait()
+        assert len(posted) == 2 and c.pending == 8 and c.backlog == 6  # two compiles run at once, never more
+        release.set()
+        await c.idle()
+        assert c.compiled == len(posted) == 8 and c.pending == 0
+        c.schedule("http://u", "m", "salt-c", [[1000]], tenant=Tenant("c"))  # dropped before, not remembered
+        assert c.backlog == 1
+        await c.idle()
+
+    asyncio.run(scenario())
+
+
+def test_dropped_span_compiles_are_counted_on_the_proxys_metrics(config):
+    import asyncio
+
+    settings = ProxySettings(upstreams=["http://127.0.0.1:9"], cache_dir=config.cache_dir, kv_connector="contextkit")
+    app = create_app(settings)
+    compiler = app.upstreams.compiler
+    flood = [[i] for i in range(compiler.max_per_tenant + 10)]
+
+    async def scenario():
+        compiler.schedule("http://127.0.0.1:9", "m", "salt", flood, tenant=Tenant("t"))
+        await compiler.idle()  # the proxy never opened its session: every compile fails, and is counted
+
+    asyncio.run(scenario())
+    assert compiler.failed == compiler.max_per_tenant
+    text = app.metrics.text().decode()
+    assert 'contextkit_proxy_span_compiles_dropped_total{reason="tenant_share"} 10.0' in text
+
+
+GATE = "contextkit-gate-7f3a"  # a document holding this word is held at the tokenizer until the test opens it
+
+
+def _gated_tokenizer(model_dir):
+    from contextkit.core.tokenizer import Tokenizer
+
+    class Gated(Tokenizer):
+        """The real tokenizer; encoding a text that holds GATE waits until the test sets ``gate``."""
+
+        def __init__(self):
+            super().__init__(model_dir)
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def encode(self, text, add_special_tokens=False):
+            if GATE in text:
+                self.entered.set()
+                self.gate.wait(300)
+            return super().encode(text, add_special_tokens)
+
+    return Gated()
+
+
+def test_the_proxy_keeps_relaying_while_a_documents_request_is_planned(vllm_url, config, app_thread, smol_dir):
+    """Planning tokenizes every document (megabytes of them, seconds of CPU): on the event loop it froze
+    every relayed stream. Held at its tokenizer, a documents request now lets /health answer and a whole
+    stream be relayed before its planning goes on."""
+    from contextkit.core.planner import Planner
+    from contextkit.integrations.proxy.app import ProxyApp
+
+    tok = _gated_tokenizer(smol_dir)
+    planner = Planner(tok, block_size=32)
+
+    class GatedProxy(ProxyApp):
+        def planner(self) -> Planner:
+            return planner
+
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=120)
+    with app_thread(GatedProxy(settings)) as p:
+        model = httpx.get(p.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Which word?"}], "max_tokens": 2,
+                "documents": [{"id": "big", "text": f"{GATE} " + "word " * 300}]}
+        answer = {}
+        sender = threading.Thread(target=lambda: answer.update(r=httpx.post(p.url + "/v1/chat/completions",
+                                                                             json=body, timeout=300)))
+        sender.start()
+        try:
+            assert tok.entered.wait(120)  # the documents request is being planned, held at its tokenizer
+            assert httpx.get(p.url + "/health", timeout=60).status_code == 200
+            stream = {"model": model, "prompt": "One, two,", "max_tokens": 4, "temperature": 0, "stream": True}
+            with httpx.stream("POST", p.url + "/v1/completions", json=stream, timeout=120) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data:")]
+            assert len(events) >= 2 and events[-1] == "data: [DONE]"  # a whole stream, relayed meanwhile
+            assert not tok.gate.is_set() and sender.is_alive()  # while the planning was still held
+        finally:
+            tok.gate.set()
+            sender.join(300)
+        assert answer["r"].status_code == 200, answer["r"].text
+        assert answer["r"].json()["contextkit"]["order"] == ["big"]
+
+
+def test_plannings_run_off_the_loop_at_most_limit_at_once():
+    import asyncio
+
+    from contextkit.integrations.proxy.documents import Planning
+
+    gate, two_in = threading.Event(), threading.Event()
+    lock, inside, most = threading.Lock(), [0], [0]
+
+    def work(i: int) -> int:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] == 2:
+                two_in.set()
+        gate.wait(60)
+        with lock:
+            inside[0] -= 1
+        return i
+
+    async def scenario():
+        planning = Planning(limit=2)
+        tasks = [asyncio.create_task(planning.run(work, i)) for i in range(5)]
+        assert await asyncio.to_thread(two_in.wait, 60)  # the loop runs meanwhile: the others could start
+        assert planning.running == 2 and most[0] == 2
+        gate.set()
+        assert await asyncio.gather(*tasks) == [0, 1, 2, 3, 4]
+        planning.close()
+
+    asyncio.run(scenario())
+    assert most[0] == 2
