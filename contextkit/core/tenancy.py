@@ -48,6 +48,18 @@ def derive(secret: bytes, purpose: str) -> bytes:
     return hmac.new(secret, b"contextkit-v1\x00" + purpose.encode(), hashlib.sha256).digest()
 
 
+PIC_SUFFIX = ":pic"
+
+
+def pic_salt(salt: str, *, recompute_last: bool) -> str:
+    """The ``cache_salt`` of a request that loads position-free (approximate) span KV: the tenant's salt
+    with the opt-in appended, so the blocks such a request leaves in vLLM's prefix cache are hit only by
+    requests with the same opt-in (DESIGN.md: approximate KV is request-only). The proxy names requests
+    with it and the KV connector accepts a pic request's span salt only when the request's own
+    ``cache_salt`` is this function of it: one derivation on both sides of the boundary."""
+    return f"{salt}{PIC_SUFFIX}{':last' if recompute_last else ''}"
+
+
 def load_secret(path: Path | str | None = None, value: str | None = None) -> bytes:
     """The server secret: ``value`` (hex, or any string of >= 32 characters), else the file at ``path``
     (created with 32 random bytes, mode 0600, when it does not exist yet)."""

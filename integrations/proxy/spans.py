@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
 from contextkit.core.errors import ConfigError, InputError
+from contextkit.core import tenancy
 from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.tenant import Tenant
 
@@ -88,8 +89,9 @@ def segments_of(plan: RequestPlan) -> list[tuple[int, ...]]:
 
 
 def pic_salt(salt: str, opts: ReuseOptions) -> str:
-    """The ``cache_salt`` of a request reusing spans: its own namespace per opt-in."""
-    return f"{salt}:pic{':last' if opts.recompute_last_span else ''}"
+    """The ``cache_salt`` of a request reusing spans: its own namespace per opt-in (derived in
+    ``core.tenancy``, which the KV connector checks it against)."""
+    return tenancy.pic_salt(salt, recompute_last=bool(opts.recompute_last_span))
 
 
 def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions) -> dict:
