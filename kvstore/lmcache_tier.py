@@ -48,11 +48,13 @@ import threading
 import time
 import urllib.parse
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import StoreKey, TierStats
+from contextkit.kvstore.deadline import Deadline
 from contextkit.core.errors import CorruptEntryError
 from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, StoreNames, decode, encode
 
@@ -183,6 +185,7 @@ class LMCacheTier:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-{self.name}")
         self._down_until = 0.0
         self._seen_failures = 0
+        self._redis_client = None  # made on first use (_redis)
         self._lock = threading.Lock()
         if cfg.kind == "disk":
             self._disk_atomic_writes()
@@ -296,15 +299,20 @@ class LMCacheTier:
         if self.cfg.kind == "remote":
             self._down_until = time.monotonic() + self.cfg.retry_after_s
 
-    def _call(self, fn, *args):
-        """Run an LMCache call under the tier's deadline (remote) or directly (local)."""
+    def _call(self, fn, *args, timeout_s: float | None = None, on_abandon=None):
+        """Run an LMCache call under the tier's deadline (remote) or directly (local). ``timeout_s``: what
+        is left of a caller's deadline, when it is shorter. ``on_abandon(result)`` runs on a result that
+        arrives after the caller gave up (to hand LMCache's buffers back)."""
         if self.cfg.kind != "remote":
             return fn(*args)
+        wait = self.cfg.timeout_s if timeout_s is None else min(timeout_s, self.cfg.timeout_s)
         fut = self._pool.submit(fn, *args)
         try:
-            return fut.result(timeout=self.cfg.timeout_s)
+            return fut.result(timeout=wait)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{self.cfg.remote_url} did not answer within {self.cfg.timeout_s} s") from None
+            if on_abandon is not None:
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception() or on_abandon(f.result()))
+            raise TimeoutError(f"{self.cfg.remote_url} did not answer within {wait:.3g} s") from None
 
     # -- the KVStore interface -----------------------------------------------------------------------
     def contains(self, key: StoreKey) -> bool:
@@ -332,9 +340,13 @@ class LMCacheTier:
         except Exception:  # noqa: BLE001
             self._failed()
             obj = None
+        if obj is None and self.cfg.kind == "remote" and not self._probe():  # a miss, or is the server gone?
+            self._failed()
+        return self._entry(key, obj, t0)
+
+    def _entry(self, key: StoreKey, obj, t0: float) -> Entry | None:
+        """The checked entry in LMCache's ``obj`` (None: a miss), counted."""
         if obj is None:
-            if self.cfg.kind == "remote" and not self._probe():  # a miss, or is the server gone?
-                self._failed()
             self._stats.add("misses")
             return None
         # Zero copy: the entry's tensors view LMCache's buffer, and the buffer goes back to LMCache's
@@ -351,6 +363,72 @@ class LMCacheTier:
             return None
         self._stats.hit(entry.nbytes, t0)
         return entry
+
+    # -- batched calls under one deadline (issue #26: one call per key, each with its own deadline, held
+    # vLLM's scheduler for keys x timeout when a store answered just under it) ------------------------
+    def contains_many(self, keys: Sequence[StoreKey], *, deadline: Deadline) -> list[bool]:
+        """Which of ``keys`` this tier holds, within what is left of ``deadline``; unknown by then is a miss.
+        Redis: one round trip (a pipeline of EXISTS); lm://: one call for all keys (LMCache's server has
+        no batched lookup); local tiers: no deadline needed."""
+        if not keys:
+            return []
+        if self.cfg.kind != "remote":
+            return [self.contains(k) for k in keys]
+        if deadline.expired or not self._available():
+            return [False] * len(keys)
+        cks = [self._key(k) for k in keys]
+        if (self.cfg.remote_url or "").startswith("redis://"):
+            fn = lambda: self._redis_exists(cks)  # noqa: E731
+        else:
+            fn = lambda: [self._sm.contains(ck, [self.backend]) is not None for ck in cks]  # noqa: E731
+        try:
+            return list(self._call(fn, timeout_s=deadline.remaining()))
+        except Exception:  # noqa: BLE001 - a failing or slow tier answers misses; counted
+            self._failed()
+            return [False] * len(keys)
+
+    def get_many(self, keys: Sequence[StoreKey], *, deadline: Deadline) -> list[Entry | None]:
+        """The entries of ``keys`` (None: a miss), fetched together within what is left of ``deadline``
+        (LMCache's remote backend sends the gets of a batch concurrently)."""
+        t0 = time.perf_counter()
+        if self.cfg.kind != "remote":
+            return [self.get(k) for k in keys]
+        if not keys or deadline.expired or not self._available():
+            self._stats.add("misses", len(keys))
+            return [None] * len(keys)
+        cks = [self._key(k) for k in keys]
+
+        def give_back(objs) -> None:  # the caller gave up: hand the buffers back to LMCache's pool
+            for o in objs or ():
+                if o is not None:
+                    o.ref_count_down()
+
+        try:
+            objs = self._call(lambda: self._sm.batched_get(cks, location=self.backend),
+                              timeout_s=deadline.remaining(), on_abandon=give_back)
+        except Exception:  # noqa: BLE001
+            self._failed()
+            objs = []
+        objs = list(objs) + [None] * (len(keys) - len(objs))  # LMCache stops its list at a failed get
+        if all(o is None for o in objs) and not self._probe():
+            self._failed()
+        return [self._entry(k, o, t0) for k, o in zip(keys, objs)]
+
+    def _redis(self):
+        """A plain Redis client on the remote's URL, for what LMCache's connector does one key at a time."""
+        if self._redis_client is None:
+            import redis
+
+            url = urllib.parse.urlparse(self.cfg.remote_url)
+            self._redis_client = redis.Redis(host=url.hostname, port=url.port, socket_timeout=self.cfg.timeout_s,
+                                             socket_connect_timeout=self.cfg.timeout_s)
+        return self._redis_client
+
+    def _redis_exists(self, cks) -> list[bool]:
+        pipe = self._redis().pipeline(transaction=False)
+        for ck in cks:  # LMCache's RedisConnector writes <key>kv_bytes, then <key>metadata: the latter marks it
+            pipe.exists(ck.to_string() + "metadata")
+        return [bool(n) for n in pipe.execute()]
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
@@ -442,3 +520,5 @@ class LMCacheTier:
         if t.is_alive() and sm.loop.is_running():
             sm.loop.call_soon_threadsafe(sm.loop.stop)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._redis_client is not None:
+            self._redis_client.close()

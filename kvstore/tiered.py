@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from contextkit.core.config import KVStoreConfig
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import KVStore, StoreKey
+from contextkit.kvstore.deadline import Deadline
 from contextkit.kvstore.entry import Entry
 from contextkit.kvstore.memory import MemoryTier
 
@@ -43,6 +44,40 @@ class TieredStore:
                     return kept
                 return entry
         return None
+
+    def contains_many(self, keys: Sequence[StoreKey], *, deadline: Deadline) -> list[bool]:
+        """Which of ``keys`` some tier holds: one batched call per tier for the keys still unknown, all
+        within ``deadline`` (a tier without batched calls is asked key by key: a local one)."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, hit in enumerate(found) if not hit]
+            if not todo or deadline.expired:
+                break
+            batch = getattr(tier, "contains_many", None)
+            hits = (batch([keys[i] for i in todo], deadline=deadline) if batch is not None
+                    else [tier.contains(keys[i]) for i in todo])
+            for i, hit in zip(todo, hits):
+                found[i] = hit
+        return found
+
+    def get_many(self, keys: Sequence[StoreKey], *, deadline: Deadline) -> list[Entry | None]:
+        """``get`` of every key, one batched call per tier within ``deadline``; hits in a slower tier are
+        promoted into the faster ones, as ``get`` does."""
+        out: list[Entry | None] = [None] * len(keys)
+        for t, tier in enumerate(self.tiers):
+            todo = [i for i, e in enumerate(out) if e is None]
+            if not todo or deadline.expired:
+                break
+            batch = getattr(tier, "get_many", None)
+            got = (batch([keys[i] for i in todo], deadline=deadline) if batch is not None
+                   else [tier.get(keys[i]) for i in todo])
+            for i, entry in zip(todo, got):
+                if entry is not None and t:
+                    entry = entry.owned()  # a borrowed LMCache buffer must not live on in memory
+                    for faster in self.tiers[:t]:
+                        faster.put(keys[i], entry)
+                out[i] = entry
+        return out
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         for tier in self.tiers:

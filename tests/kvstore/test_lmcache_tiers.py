@@ -328,3 +328,24 @@ def test_encrypted_entries_at_rest(tmp_path, redis_url):
     finally:
         tier.close()
         other.close()
+
+
+def test_batched_calls_answer_as_single_ones_do_and_a_spent_deadline_asks_nothing(tiers):
+    """contains_many / get_many (the KV connector's one call per request or step) on every backend: the
+    same answers as contains / get, and a remote tier with no time left answers misses without a call."""
+    from contextkit.kvstore.deadline import Deadline
+
+    for name, tier in tiers.items():
+        ks = [key(f"batch-{name}-{i}", tenant="tenant-b") for i in range(5)]
+        made = {k: entry(k, 16, seed=i) for i, k in enumerate(ks[:3])}
+        for k, e in made.items():
+            tier.put(k, e)
+            assert tier.wait_visible(k), name
+        assert tier.contains_many(ks, deadline=Deadline(5.0)) == [True] * 3 + [False] * 2, name
+        got = tier.get_many(ks, deadline=Deadline(5.0))
+        assert all(same(g, made[k]) for g, k in zip(got, ks[:3])) and got[3:] == [None, None], name
+        if tier.cfg.kind == "remote":
+            errors = tier.stats()["errors"]
+            assert tier.contains_many(ks, deadline=Deadline(0.0)) == [False] * 5
+            assert tier.get_many(ks, deadline=Deadline(0.0)) == [None] * 5
+            assert tier.stats()["errors"] == errors and not tier.stats()["down"], name  # not asked, not failed
