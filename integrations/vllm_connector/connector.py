@@ -16,10 +16,11 @@ What it does for a stock vLLM server (``settings.vllm_args`` loads it):
 Both roles run this class: the scheduler side looks entries up (``contains``) and plans loads and saves;
 the worker side moves the tensors (``paged.PagedKV``) and talks to the store for the bytes. Loads are
 synchronous (done before the forward that needs them); saves copy the tokens out of the cache and go to
-the store on a background thread through a bounded queue, so a slow store never holds a step.
+the store on a background thread through a queue bounded in bytes (``saves``), so a slow store never
+holds a step.
 
-Faults: a store that is down or slow answers a miss within ``timeout_s`` (``kvstore.lmcache_tier``), so
-vLLM computes; an entry that is gone, fails its MAC or checksum, or whose geometry or token ids do not
+Faults: a store that is down or slow answers a miss within ``timeout_s`` per step, all calls together:
+one batched lookup per request, one batched fetch per worker step (``lookup``), so vLLM computes; an entry that is gone, fails its MAC or checksum, or whose geometry or token ids do not
 match is not loaded, is counted, and its blocks are reported to vLLM, which recomputes them
 (``kv_load_failure_policy: recompute``). A crash mid-save leaves no entry that loads: LMCache writes
 whole values (Redis SET, the disk tier's temp file + rename) and every entry carries a MAC.
@@ -28,10 +29,7 @@ whole values (Redis SET, the disk tier's temp file + rename) and every entry car
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,17 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from contextkit.core.errors import ConfigError
 from contextkit.core.tenancy import deployment_secret, derive
-from contextkit.integrations.vllm_connector.keys import (
-    ConnectorKey,
-    KVGeometry,
-    block_keys,
-    model_fingerprint,
-    span_key,
-)
+from contextkit.integrations.vllm_connector.keys import KVGeometry, model_fingerprint, span_key
+from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState, fetch
 from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
+from contextkit.integrations.vllm_connector.saves import SaveOp, SaveQueue
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings, RequestOptions
 from contextkit.integrations.vllm_connector.stats import ConnectorPromMetrics, ConnectorStats, Counters
-from contextkit.kvstore.entry import make_entry
+from contextkit.kvstore.deadline import Deadline
+from contextkit.kvstore.entry import Entry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,27 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("contextkit.connector")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-# The save thread's nice value. 19 kept saves off the forward's cores entirely and starved them under a
-# stream of new prompts (the queue overflowed, a quarter of the blocks was dropped); 10 leaves them ~10%
-# of a contended core, which is what saving costs next to a prefill (bench connector).
-SAVE_NICE = 10
-
-
 # -- what the scheduler tells the worker -----------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Tokens ``[src, src + n)`` of a stored entry, written at request positions ``[dst, dst + n)``, with K
-    re-rotated by ``shift`` positions: 0 for an exact block (stored at its own positions), the span's start
-    for a span (stored at positions 0..len-1)."""
-
-    key: ConnectorKey
-    src: int
-    n: int
-    dst: int
-    ids: tuple[int, ...]  # the request's token ids there: the entry must hold the same
-    shift: int = 0
-
-
 @dataclass(frozen=True, slots=True)
 class LoadOp:
     req_id: str
@@ -97,35 +72,10 @@ class LoadOp:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class SaveOp:
-    key: ConnectorKey
-    start: int
-    end: int
-    ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-
-
 @dataclass
 class ConnectorMeta(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
-
-
-@dataclass
-class _Request:
-    """Scheduler-side state of one request."""
-
-    ids: list[int]
-    opts: RequestOptions
-    salt: str | None  # the salt keys are named under
-    keys: list[ConnectorKey] | None = None  # exact block keys of the prompt's full blocks (lazily)
-    lookup: tuple[int, int, tuple[Piece, ...], tuple] | None = None  # (computed, n, pieces, missing spans)
-    load: tuple[int, int, tuple[Piece, ...]] | None = None  # allocated: (start, end, pieces)
-    block_ids: list[int] = field(default_factory=list)
-    saved_blocks: int = -1  # exact blocks saved or known stored; -1: not scheduled yet
-    span_saved: bool = False
-    loaded_tokens: int = 0
 
 
 class ContextKitConnector(KVConnectorBase_V1):
@@ -154,16 +104,15 @@ class ContextKitConnector(KVConnectorBase_V1):
         self.rope = self._rope_specs()
         self.store = self._open_store()
         self.counters = Counters()
-        self._requests: dict[str, _Request] = {}
+        self.lookup = Lookup(self.store, self.geometry, timeout_s=self.settings.timeout_s,
+                             max_spans=self.settings.max_spans)
+        self._requests: dict[str, RequestState] = {}
         # worker side
         self._caches: list[tuple[str, torch.Tensor]] = []
         self._paged: PagedKV | None = None
         self._rotator = None
         self._load_errors: set[int] = set()
-        self._saves: queue.Queue | None = None
-        self._pending_bytes = 0  # entries queued for the store (bounded by settings.save_queue_bytes)
-        self._pending_lock = threading.Lock()
-        self._saver: threading.Thread | None = None
+        self._saves: SaveQueue | None = None
         log.info("contextkit connector (%s) on %s: %s", role.name, self.geometry.layout(),
                  ", ".join(t.name for t in self.store.tiers))
 
@@ -198,23 +147,18 @@ class ContextKitConnector(KVConnectorBase_V1):
             return None
 
     # -- scheduler side --------------------------------------------------------------------------------
-    def _state(self, request: Request) -> _Request:
+    def _state(self, request: Request) -> RequestState:
         st = self._requests.get(request.request_id)
         if st is None:
             ids = list(request.prompt_token_ids or [])
             try:
                 opts = RequestOptions.of(request.kv_transfer_params, len(ids))
-            except ConfigError as exc:  # the request runs, with exact reuse only
+                salt = opts.namespace(request.cache_salt)  # never a salt the client chose (settings)
+            except ConfigError as exc:  # the request runs, with exact reuse under its own cache_salt
                 log.warning("request %s: %s; using exact reuse", request.request_id, exc)
-                opts = RequestOptions()
-            salt = opts.salt if opts.salt is not None else request.cache_salt
-            st = self._requests[request.request_id] = _Request(ids, opts, salt)
+                opts, salt = RequestOptions(), request.cache_salt
+            st = self._requests[request.request_id] = RequestState(ids, opts, salt)
         return st
-
-    def _block_keys(self, st: _Request) -> list[ConnectorKey]:
-        if st.keys is None:
-            st.keys = block_keys(self.geometry, st.salt, st.ids, len(st.ids) // self.block_size)
-        return st.keys
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -225,41 +169,13 @@ class ContextKitConnector(KVConnectorBase_V1):
         if st.opts.mode == "off":
             pieces: tuple[Piece, ...] = ()
         elif st.opts.mode == "pic":
-            pieces, missing = self._plan_spans(st, num_computed_tokens, limit)
+            # no RoPE geometry: pic requests load nothing (logged once at start) and are computed in full
+            pieces, missing = self.lookup.spans(st, num_computed_tokens, limit) if self.rope is not None else ((), ())
         else:
-            pieces = self._plan_blocks(st, num_computed_tokens, limit)
+            pieces = self.lookup.blocks(st, num_computed_tokens, limit)
         n = sum(p.n for p in pieces)
         st.lookup = (num_computed_tokens, n, pieces, missing)
         return n, False
-
-    def _plan_blocks(self, st: _Request, computed: int, limit: int) -> tuple[Piece, ...]:
-        bs, keys = self.block_size, self._block_keys(st)
-        out, i = [], computed // bs
-        while i < min(len(keys), limit // bs) and self.store.contains(keys[i]):
-            out.append(Piece(keys[i], 0, bs, i * bs, tuple(st.ids[i * bs : (i + 1) * bs])))
-            i += 1
-        return tuple(out)
-
-    def _plan_spans(self, st: _Request, computed: int, limit: int) -> tuple[tuple[Piece, ...], tuple]:
-        """Spans from ``computed`` on, while they are stored and contiguous; also every span not stored."""
-        if self.rope is None:
-            return (), ()
-        spans = st.opts.spans[:-1] if st.opts.recompute_last else st.opts.spans
-        out, missing, cursor, loading = [], [], computed, True
-        for s, e in spans:
-            key = span_key(self.geometry, st.salt, st.ids[s:e])
-            stored = self.store.contains(key)
-            if not stored:
-                missing.append((s, e))
-            if not loading or e <= cursor:
-                continue
-            if s > cursor or not stored or cursor >= limit:
-                loading = False
-                continue
-            end = min(e, limit)
-            out.append(Piece(key, cursor - s, end - cursor, cursor, tuple(st.ids[cursor:end]), shift=s))
-            cursor = end
-        return tuple(out), tuple(missing)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
@@ -277,6 +193,7 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = ConnectorMeta()
+        self.lookup.new_step()  # this step's lookups are done: the next ones get a deadline of their own
         for new in scheduler_output.scheduled_new_reqs:
             st = self._requests.get(new.req_id)
             if st is None:
@@ -306,7 +223,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             self._plan_saves(st, done, meta)
         return meta
 
-    def _plan_saves(self, st: _Request, done: int, meta: ConnectorMeta) -> None:
+    def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
         """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), and for a
         span compile the whole prompt once it is computed."""
         if st.opts.mode in ("pic", "off") or st.saved_blocks < 0:
@@ -314,7 +231,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         bs, prompt = self.block_size, len(st.ids)
         full = min(done, prompt) // bs
         if full > st.saved_blocks:
-            keys = self._block_keys(st)
+            keys = self.lookup.block_keys(st)
             for b in range(st.saved_blocks, full):
                 meta.saves.append(SaveOp(keys[b], b * bs, (b + 1) * bs, tuple(st.ids[b * bs : (b + 1) * bs]),
                                          tuple(st.block_ids)))
@@ -349,26 +266,30 @@ class ContextKitConnector(KVConnectorBase_V1):
         if (self._paged.num_heads, self._paged.head_size) != (self.geometry.num_kv_heads, self.geometry.head_size):
             raise ConfigError(f"KV cache heads/head size {self._paged.num_heads}/{self._paged.head_size} differ from "
                               f"the model's {self.geometry.num_kv_heads}/{self.geometry.head_size}")
-        self._saves = queue.Queue()
-        self._saver = threading.Thread(target=self._save_loop, name="contextkit-connector-save", daemon=True)
-        self._saver.start()
+        self._saves = SaveQueue(self.store, budget_bytes=self.settings.save_queue_bytes, counters=self.counters,
+                                layout=self.geometry.layout())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, ConnectorMeta) or not meta.loads or self._paged is None:
             return
+        # the step's entries in one batched call, under one deadline for the whole step
+        entries = fetch(self.store, [p for op in meta.loads for p in op.pieces],
+                        deadline=Deadline(self.settings.timeout_s))
+        at = 0
         for op in meta.loads:
-            self._load(op)
+            self._load(op, entries[at : at + len(op.pieces)])
+            at += len(op.pieces)
 
-    def _load(self, op: LoadOp) -> None:
+    def _load(self, op: LoadOp, entries: list[Entry | None | Exception]) -> None:
         """Read the op's entries, then write them with one rotation and one cache write per layer (each
         torch call costs tens of microseconds inside vLLM's worker: per block and layer it added up to
         hundreds of milliseconds a request)."""
         bs = self.block_size
         ks, vs, shifts, good = [], [], [], []
-        for piece in op.pieces:
+        for piece, entry in zip(op.pieces, entries):
             try:
-                k, v = self._read_entry(piece)
+                k, v = self._read_entry(piece, entry)
             except _Unloadable as exc:
                 log.warning("request %s: not loading tokens %d..%d (%s); vLLM recomputes them", op.req_id,
                             piece.dst, op.end, exc)
@@ -395,12 +316,10 @@ class ContextKitConnector(KVConnectorBase_V1):
         if rotate:
             self.counters.add("span_tokens", int((delta != 0).sum()))
 
-    def _read_entry(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_entry(self, piece: Piece, entry: Entry | None | Exception) -> tuple[torch.Tensor, torch.Tensor]:
         """The piece's K and V, (layers, heads, n, head_size) each, checked against what was asked."""
-        try:
-            entry = self.store.get(piece.key)
-        except Exception as exc:  # noqa: BLE001 - a store failure is a miss, whatever raised it
-            raise _Unloadable(f"store error: {exc}") from exc
+        if isinstance(entry, Exception):
+            raise _Unloadable(f"store error: {entry}")
         if entry is None:
             raise _Unloadable("entry gone or failed its checks")
         g = self.geometry
@@ -438,49 +357,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             return
         if not meta.saves:
             return
-        # one read per layer for every save of the step (see _load on the cost of a torch call here)
-        bs = self.block_size
-        slots = torch.cat([slots_of(list(op.block_ids), bs, op.start, op.end) for op in meta.saves])
-        ks, vs = zip(*(self._paged.read(cache, slots) for _, cache in self._caches))
-        k, v = torch.stack(ks), torch.stack(vs)  # (layers, heads, tokens of every save, head_size)
-        at = 0
-        for op in meta.saves:
-            n = op.end - op.start
-            tensors = {"k": k[:, :, at : at + n], "v": v[:, :, at : at + n],
-                       "ids": torch.tensor(op.ids, dtype=torch.int64)}
-            at += n
-            entry = make_entry(op.key, tensors, self.geometry.layout())
-            with self._pending_lock:
-                full = self._pending_bytes + entry.nbytes > self.settings.save_queue_bytes
-                if not full:
-                    self._pending_bytes += entry.nbytes
-            if full:
-                self.counters.add("dropped_saves")
-            else:
-                self._saves.put((op.key, entry))
-
-    def _save_loop(self) -> None:
-        # saves yield the cores to the forward: on Linux a thread's nice value is its own
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)
-        except (OSError, AttributeError):  # not Linux, or not allowed: saves run at normal priority
-            pass
-        while True:
-            item = self._saves.get()
-            if item is None:
-                return
-            key, entry = item
-            try:
-                self.store.put(key, entry)
-                self.counters.add("saved_entries")
-                self.counters.add("saved_tokens", key.num_tokens)
-            except Exception as exc:  # noqa: BLE001 - a failed save is a later miss, never a failed step
-                log.warning("contextkit connector: save failed (%s)", exc)
-                self.counters.add("dropped_saves")
-            finally:
-                with self._pending_lock:
-                    self._pending_bytes -= entry.nbytes
-                self._saves.task_done()
+        self._saves.submit(meta.saves, caches=self._caches, paged=self._paged)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -502,9 +379,8 @@ class ContextKitConnector(KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped save is a later miss
 
     def shutdown(self) -> None:
-        if self._saves is not None and self._saver is not None:
-            self._saves.put(None)
-            self._saver.join(timeout=10)
+        if self._saves is not None:
+            self._saves.close()
         self.store.close()
 
 

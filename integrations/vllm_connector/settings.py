@@ -25,6 +25,7 @@ from typing import Any
 
 from contextkit.core.config import DEFAULT_CACHE_DIR
 from contextkit.core.errors import ConfigError
+from contextkit.core.tenancy import pic_salt
 
 CONNECTOR_CLASS = "ContextKitConnector"
 CONNECTOR_MODULE = "contextkit.integrations.vllm_connector"
@@ -40,12 +41,16 @@ class ConnectorSettings:
         disk_bytes: capacity of the disk tier.
         remote_url: ``redis://host:port`` or ``lm://host:port`` (lmcache_server), shared by servers;
             None: none. At least one of ``disk_dir`` and ``remote_url`` is required.
-        timeout_s: deadline of one store call; a slower or dead store answers a miss and vLLM computes.
+        timeout_s: deadline of one step's store calls, all together: a scheduler step's lookups (one batched
+            call per request), a worker step's loads (one batched call); what a slower or dead store has not
+            answered by then is a miss, and vLLM computes it.
         cache_dir: where the deployment secret lives (``<cache_dir>/secret``), shared with the proxy.
         secret_file: the secret's file, when it is not ``<cache_dir>/secret``.
         save_queue_bytes: bytes of entries waiting for the store at most; past it a save is dropped (and
             counted), so a slow store never holds a forward step nor fills the server's memory.
         encrypt: encrypt entries at rest (AES-256-GCM under a key derived from the secret).
+        max_spans: spans of one pic request looked up at most; past it the rest are computed by vLLM (and
+            a warning says so), so one request cannot make the scheduler's lookup arbitrarily long.
     """
 
     disk_dir: Path | None = None
@@ -56,6 +61,7 @@ class ConnectorSettings:
     secret_file: Path | None = None
     save_queue_bytes: int = 1 << 30
     encrypt: bool = False
+    max_spans: int = 256
 
     def __post_init__(self) -> None:
         if self.disk_dir is None and not self.remote_url:
@@ -65,8 +71,9 @@ class ConnectorSettings:
             url = urllib.parse.urlparse(self.remote_url)
             if url.scheme not in ("redis", "lm") or not url.hostname or not url.port:
                 raise ConfigError(f"remote_url must be redis://host:port or lm://host:port, got {self.remote_url!r}")
-        if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue_bytes <= 0:
-            raise ConfigError("timeout_s, disk_bytes and save_queue_bytes must be positive")
+        if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue_bytes <= 0 or self.max_spans <= 0:
+            raise ConfigError(f"timeout_s, disk_bytes, save_queue_bytes and max_spans must be positive, got "
+                              f"{self.timeout_s}, {self.disk_bytes}, {self.save_queue_bytes}, {self.max_spans}")
         for name in ("disk_dir", "cache_dir", "secret_file"):
             value = getattr(self, name)
             if value is not None:
@@ -113,8 +120,10 @@ class RequestOptions:
             position-free span KV re-rotated to their positions: reuse without recompute), "off" (neither
             load nor save: a measured full prefill).
         spans: for "pic", the ``[start, end)`` token ranges of the prompt that are spans, in order.
-        salt: the tenant's salt that span keys are named under (a pic request's own ``cache_salt`` is a
-            separate namespace, so that its approximate blocks are never an exact-prefix hit).
+        salt: for "pic", the tenant's salt that span keys are named under (the request's own ``cache_salt``
+            is ``core.tenancy.pic_salt`` of it, a separate namespace, so that its approximate blocks are
+            never an exact-prefix hit). Clients can send ``kv_transfer_params`` to vLLM, so this is
+            checked against the request's ``cache_salt`` (``namespace``), never trusted as it is.
         recompute_last: for "pic", compute the last span in its context instead of loading it.
     """
 
@@ -151,3 +160,23 @@ class RequestOptions:
         if salt is not None and not isinstance(salt, str):
             raise ConfigError("kv_transfer_params.contextkit.salt must be a string")
         return cls(mode, tuple(spans), salt, bool(raw.get("recompute_last", False)))
+
+    def namespace(self, cache_salt: str | None) -> str | None:
+        """The salt this request's keys are named under; raises ``ConfigError`` for a salt it may not use.
+
+        The request's ``cache_salt`` is set by whoever the operator trusts (the proxy derives it from the
+        caller's credentials); ``kv_transfer_params`` may come from the client. So the params' salt is
+        used only by a pic request whose ``cache_salt`` is ``pic_salt`` of it (the proxy's own pairing):
+        a client cannot name another tenant's namespace (or the unsalted one, ``salt: ""``), and a pic
+        request under an exact salt would leave approximate KV in vLLM's prefix cache where exact
+        requests hit it, so it loads nothing (it runs as exact reuse under its own salt)."""
+        if self.mode != "pic":
+            if self.salt is not None and self.salt != cache_salt:
+                raise ConfigError("kv_transfer_params.contextkit.salt is only for pic requests (it must equal the "
+                                  "request's cache_salt otherwise); keys are named under the request's cache_salt")
+            return cache_salt
+        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last):
+            raise ConfigError("a pic request's kv_transfer_params.contextkit.salt must be the tenant salt its "
+                              "cache_salt is derived from (cache_salt = contextkit.core.tenancy.pic_salt(salt)); "
+                              "send pic requests through the contextkit proxy")
+        return self.salt
