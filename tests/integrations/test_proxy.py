@@ -112,7 +112,9 @@ def test_documents_are_ordered_for_the_prefix_cache(clients):
     assert again.choices[0].model_extra["prompt_token_ids"] == ids and len(ids) == ext2["prompt_tokens"]
     assert ext2["cached_tokens"] >= ext2["expected_cached_tokens"] > 0
     assert ext2["cached_tokens"] >= len(ids) - len(ids) % 32 - 32
-    other = ask(shuffled, "other", max_tokens=4)  # another tenant: its own order, nothing cached
+    # another tenant (new in every run: a vLLM that outlives a run keeps an earlier run's "other" warm):
+    # its own order, nothing cached
+    other = ask(shuffled, f"other-{uuid.uuid4().hex[:8]}", max_tokens=4)
     assert not other.model_extra["contextkit"]["reordered"] and other.model_extra["contextkit"]["cached_tokens"] == 0
     chunks = list(via.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, stream=True,
                                               extra_body={"documents": shuffled, "contextkit": {"tenant": "acme"}}))
