@@ -481,9 +481,11 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
         **{f"{k}_requests": counts[k] for k in KINDS},
         fuzz_requests=counts["fuzz"] + sum(counts[k] for k in KINDS),
         server_errors=counts["server_errors"], hangs=counts["hangs"] + hangs + base_hangs,
-        cross_tenant_leaks=leaks + counts["spoof_accepted"], probe_requests=sent, route_probes_armed=armed,
+        cross_tenant_leaks=leaks + counts["spoof_accepted"], probe_requests=sent,
         rss_mb_baseline=round(rss0, 1), rss_mb_end=round(rss1, 1), healthy_after=health == 200,
     )  # fmt: skip
+    if server == "proxy":  # route probes whose owner's re-send hit: each of them could have seen a leak
+        row["route_probes_armed"] = armed
     if server == "serve":  # the span memory tier grows to its byte budget by design: reported beside
         row.update(kv_memory_mb_baseline=round(kv0, 1), kv_memory_mb_end=round(kv1, 1),
                    rss_growth=round((rss1 - kv1) / (rss0 - kv0) - 1, 4))
