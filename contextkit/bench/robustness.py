@@ -29,7 +29,9 @@ tenants that send one request each). Per server:
 4. **Forged KV** (serve): before serve starts, a forger with write access to the shared Redis tier but
    not the deployment secret compiles the documents of questions nobody asked yet under a good tenant's
    keys (right format, its own MAC key). That tenant then asks them: every span hit on a forged
-   document is a forged entry served; the tier's ``corrupt`` counter says how many were caught.
+   document is a forged entry served; the tier's ``corrupt`` counter says how many were caught. Since
+   stored names are keyed with the secret (issue #26), a forger without it cannot name the victim's
+   entries at all: its entries are never found, so ``forged_entries_rejected`` is 0 as well.
 
 Pacing. A client that sends as fast as it is answered, against serve (whose API key check and rate
 limit refuse it in ~0.25 ms of server CPU a request), reaches several hundred requests/s; on this 2-core
