@@ -415,7 +415,7 @@ def test_second_server_loads_what_the_first_computed_and_tenants_stay_apart(kv, 
     warm = complete(kv.b.url, ids, "tenant-1")
     assert cached(warm) == full * BS  # every full block but the one holding the last token, from Redis
     assert warm["kv_transfer_params"]["contextkit"]["loaded_tokens"] == full * BS
-    _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 30)
+    _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120)
     # the loaded KV gives the same next-token distribution as A computing it (one engine build, bf16)
     lp_cold, lp_warm = top_logprob(cold), top_logprob(warm)
     best = max(lp_cold, key=lp_cold.get)
@@ -437,7 +437,8 @@ def test_restart_loads_from_the_store_and_corrupt_entries_are_recomputed(kv, smo
     kv.a = kv.server("a", kv.a_cfg).start()  # same disk tier, empty prefix cache
     warm = complete(kv.a.url, ids, "tenant-r")
     assert cached(warm) == full * BS
-    _wait(lambda: metric(kv.a.url, "vllm:external_prefix_cache_hits") == full * BS, 30)
+    _wait(lambda: metric(kv.a.url, "vllm:external_prefix_cache_hits") == full * BS, 120,
+          lambda: f"external hits {metric(kv.a.url, 'vllm:external_prefix_cache_hits')} != {full * BS}")
 
     # an entry that fails its MAC is never served: corrupt every disk file, empty Redis, reset the cache
     ids2 = prompt_of(smol_dir, passage_text[9000:], 10 * BS + 3)
@@ -511,12 +512,13 @@ def test_documents_reuse_spans_through_the_proxy_and_stay_request_only(pic_proxy
     assert bad.status_code == 422 and "policy" in bad.json()["error"]["message"]
 
 
-def _wait(cond, timeout_s: float = 300.0) -> None:
+def _wait(cond, timeout_s: float = 300.0, show=None) -> None:
+    """Poll ``cond`` until it holds (a metric published after the answer); ``show()`` says what was seen."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, show() if show else f"not within {timeout_s} s"
         time.sleep(0.2)
 
 
@@ -550,7 +552,7 @@ def test_a_request_routed_to_the_other_server_loads_what_the_first_computed(pic_
     assert again["contextkit"]["upstream"] == other.name
     assert again["choices"][0]["prompt_token_ids"] == ids  # the same prompt, token for token
     assert again["contextkit"]["cached_tokens"] == full * BS
-    _wait(lambda: metric(other.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 30)
+    _wait(lambda: metric(other.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120)
 
 
 def test_kv_transfer_params_cannot_choose_the_connectors_namespace(kv, smol_dir, passage_text):
