@@ -221,7 +221,7 @@ class DelayProxy:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class TestClock:
+class StepClock:
     """A clock that moves only when told (here: by each request the store receives)."""
 
     def __init__(self):
@@ -239,7 +239,7 @@ def slow_store(redis_url):
     from contextkit.kvstore.tiered import TieredStore
 
     mac = bytes(range(32))
-    proxy, clock = DelayProxy(redis_url), TestClock()
+    proxy, clock = DelayProxy(redis_url), StepClock()
     direct = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac))
     slow = TieredStore([LMCacheTier(LMCacheTierConfig("remote", remote_url=proxy.url, timeout_s=5, mac_key=mac))])
 
