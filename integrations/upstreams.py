@@ -3,9 +3,10 @@
 Each upstream (a vLLM server) has its own ``Weaver``: the tree of evidence sequences it has served is a
 model of what its prefix cache holds. A documents request goes to the healthy upstream whose tree
 shares the longest reusable prefix with it (ties and misses: the least loaded); any other request goes
-to the least loaded. A background task checks ``/health``; an upstream failing it is taken out of rotation
-and put back when it answers again; three failed requests in a row take it out too, unless it is the
-last one in rotation.
+to the least loaded. A background task checks ``/health``: an upstream that answers it with an error or
+refuses the connection is taken out of rotation at once, one that is only slow to answer after three
+checks in a row (a CPU server busy with a long prefill answers late but serves), and each is put back when
+it answers again; three failed requests in a row take it out too, unless it is the last one in rotation.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Upstream:
     inflight: int = 0
     requests: int = 0
     consecutive_failures: int = 0
+    slow_checks: int = 0  # /health checks in a row that timed out
 
 
 class UpstreamPool:
@@ -82,14 +84,22 @@ class UpstreamPool:
             self.routing["cache_aware"] += 1
         return best
 
-    async def check(self, client: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
+    async def check(self, client: aiohttp.ClientSession, timeout_s: float = 2.0, slow_limit: int = 3) -> None:
+        """Check every upstream's ``/health``: an error answer or a refused connection takes it out of
+        rotation, ``slow_limit`` timeouts in a row do too, a 200 puts it back."""
+
         async def one(u: Upstream) -> None:
             try:
                 async with client.get(u.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                     ok = r.status == 200
-            except (aiohttp.ClientError, TimeoutError):
+            except TimeoutError:  # before ClientError: aiohttp's ServerTimeoutError is both
+                u.slow_checks += 1
+                if u.slow_checks >= slow_limit:
+                    u.healthy = False
+                return
+            except aiohttp.ClientError:
                 ok = False
-            u.healthy = ok
+            u.healthy, u.slow_checks = ok, 0
             if ok:
                 u.consecutive_failures = 0
 

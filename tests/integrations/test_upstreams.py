@@ -68,8 +68,10 @@ def test_a_lease_cannot_leak():
 
 class _Health(http.server.BaseHTTPRequestHandler):
     ok = True
+    answer = threading.Event()  # cleared: /health answers only once the test sets it (a busy server)
 
     def do_GET(self):
+        type(self).answer.wait()
         self.send_response(200 if type(self).ok else 500)
         self.end_headers()
 
@@ -81,6 +83,7 @@ def test_health_checks_take_an_upstream_out_and_put_it_back():
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     pool = UpstreamPool([f"http://127.0.0.1:{srv.server_port}", "http://127.0.0.1:9"], block_size=32)
+    _Health.answer.set()
 
     async def check():
         async with aiohttp.ClientSession() as c:
@@ -96,4 +99,33 @@ def test_health_checks_take_an_upstream_out_and_put_it_back():
         asyncio.run(check())
         assert pool.upstreams[0].healthy
     finally:
+        srv.shutdown()
+
+
+def test_a_slow_health_answer_takes_an_upstream_out_only_when_it_repeats():
+    """A busy CPU server answers /health late but still serves: one or two timeouts leave it in rotation
+    (the proxy answered 503 to everything until the next check when one timeout took it out), three in a
+    row take it out, an answer puts it back."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    pool = UpstreamPool([f"http://127.0.0.1:{srv.server_port}"], block_size=32)
+    (u,) = pool.upstreams
+
+    async def check():
+        async with aiohttp.ClientSession() as c:
+            await pool.check(c, timeout_s=0.2)
+
+    _Health.ok = True
+    _Health.answer.clear()
+    try:
+        for _ in range(2):
+            asyncio.run(check())
+            assert u.healthy and pool.least_loaded() is u
+        asyncio.run(check())
+        assert not u.healthy and pool.least_loaded() is None
+        _Health.answer.set()
+        asyncio.run(check())
+        assert u.healthy and u.slow_checks == 0
+    finally:
+        _Health.answer.set()
         srv.shutdown()
