@@ -65,6 +65,7 @@ class Stream:
     def __iter__(self) -> Iterator[str]:
         p, engine = self.params, self.engine
         stop_ids = set(engine.spec.eos_token_ids if p.stop_token_ids is None else p.stop_token_ids)
+        banned = sorted(stop_ids)  # masked out of the logits while the answer is shorter than min_new_tokens
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         hold = max((len(s) for s in p.stop), default=1) - 1  # chars that may start a stop string
         out: list[int] = []
@@ -76,7 +77,7 @@ class Stream:
         t0 = time.perf_counter()
         logits = self.first_logits if self.first_logits is not None else engine.forward(self.cache, self.prompt_ids)
         assert logits is not None
-        token = sample(logits[0], p, generator)
+        token = sample(_ban(logits[0], banned, p.min_new_tokens > 0), p, generator)
         t_first = time.perf_counter()
         while True:
             if token in stop_ids:
@@ -84,7 +85,7 @@ class Stream:
                 break
             out.append(token)
             text = self.tokenizer.decode(out)
-            cut = _find_stop(text, p.stop, max(0, emitted - hold))
+            cut = _find_stop(text, p.stop, max(0, emitted - hold)) if len(out) >= p.min_new_tokens else None
             if cut is not None:
                 text, finish = text[:cut], "stop"
                 break
@@ -99,7 +100,7 @@ class Stream:
             logits = engine.forward(self.cache, [token])
             steps += 1
             assert logits is not None
-            token = sample(logits[0], p, generator)
+            token = sample(_ban(logits[0], banned, len(out) < p.min_new_tokens), p, generator)
         t_end = time.perf_counter()
         if len(text) > emitted:
             yield text[emitted:]
@@ -136,3 +137,12 @@ def generate(
     """Prefill ``prompt_ids`` (unless ``first_logits`` says they are in ``cache``) and decode until a
     stop token, a stop string or ``max_new_tokens``."""
     return Stream(engine, tokenizer, prompt_ids, params, cache, first_logits).finish()
+
+
+def _ban(logits: torch.Tensor, token_ids: list[int], on: bool) -> torch.Tensor:
+    """``logits`` with ``token_ids`` made impossible when ``on`` (a copy; the engine's row is left alone)."""
+    if not on or not token_ids:
+        return logits
+    out = logits.clone()
+    out[token_ids] = float("-inf")
+    return out

@@ -142,7 +142,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     user: str | None = None
@@ -160,6 +160,7 @@ class _Sampling(BaseModel):
                 max_new_tokens=self.new_tokens or default_max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=self.seed, stop=stop,
+                min_new_tokens=self.min_tokens or 0,
             )  # fmt: skip
         except ConfigError as exc:
             raise InputError(f"sampling parameters: {exc}") from exc

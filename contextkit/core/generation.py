@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS tokens
+    min_new_tokens: int = 0  # no stop token or stop string ends the answer before this many (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -32,6 +33,9 @@ class SamplingParams:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), "
+                              f"got {self.min_new_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
 

@@ -50,6 +50,23 @@ def test_stops_at_eos(smol, prompt):
     assert "Eiffel" in g.text
 
 
+def test_min_new_tokens_holds_off_eos_and_stop_strings(smol, prompt):
+    """vLLM's ``min_tokens``: the answer that ends at EOS goes on past it, and a stop string inside the
+    first tokens does not cut it; past the minimum both end it again."""
+    engine, tok, _ = smol
+    free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=200))
+    n = len(free.token_ids)
+    held = generate(engine, tok, prompt, SamplingParams(max_new_tokens=n + 8, min_new_tokens=n + 4))
+    assert len(held.token_ids) >= n + 4 and list(held.token_ids[:n]) == list(free.token_ids)
+    assert not set(held.token_ids[: n + 4]) & set(engine.spec.eos_token_ids)
+    stop = free.text.split()[1]
+    assert generate(engine, tok, prompt, SamplingParams(max_new_tokens=40, stop=(stop,))).finish_reason == "stop"
+    early = generate(engine, tok, prompt, SamplingParams(max_new_tokens=6, stop=(stop,), min_new_tokens=6))
+    assert len(early.token_ids) == 6 and early.finish_reason == "length"
+    with pytest.raises(ConfigError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
 def test_stop_string_cuts_text_and_streaming_never_leaks_it(smol, prompt):
     engine, tok, _ = smol
     free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=40))
