@@ -211,14 +211,17 @@ def test_a_full_queue_is_429_and_a_client_that_hangs_up_frees_the_engine(served,
     """One engine, bounded: with the queue full the next client gets 429 + Retry-After at once; a client
     that disconnects mid-stream stops its generation at the next token (counted), freeing the engine."""
     _, kit, _ = served
+    # min_tokens: the answer runs to 2000 tokens whatever the model says (on one CPU it ended early)
     long = {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
-            "max_tokens": 2000, "temperature": 0, "stream": True}
+            "max_tokens": 2000, "min_tokens": 2000, "temperature": 0, "stream": True}
     with app_thread(create_serve_app(kit, "k", limits=ServeLimits(max_queue=1))) as s:
         with httpx.stream("POST", s.url + "/v1/chat/completions", json=long, timeout=120) as r:
-            next(r.iter_lines())  # generating now
+            lines = r.iter_lines()  # kept: a line iterator dropped closes its stream (the client hangs up)
+            next(lines)  # generating now
             busy = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False}, timeout=30)
             assert busy.status_code == 429 and busy.headers["retry-after"] == "2"
             assert busy.json()["error"]["type"] == "rate_limit_error"
+            lines.close()
         # hung up after the first event: the job must end long before 2000 tokens (~2 min on this CPU)
         pending = s.app.state.pending
         for _ in range(600):
@@ -227,7 +230,8 @@ def test_a_full_queue_is_429_and_a_client_that_hangs_up_frees_the_engine(served,
             time.sleep(0.05)
         assert not pending
         assert _metric(s.url, "contextkit_serve_cancelled_total", '{why="disconnect"}') == 1
-        ok = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False, "max_tokens": 2}, timeout=60)
+        ok = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False, "max_tokens": 2, "min_tokens": 0},
+                        timeout=60)
         assert ok.status_code == 200
 
 
@@ -239,7 +243,8 @@ def test_one_tenant_cannot_starve_another(served, app_thread):
 
     def chat(tenant: str, max_tokens: int, stream: bool) -> dict:
         return {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": stream, "contextkit": {"tenant": tenant}}
+                "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0, "stream": stream,
+                "contextkit": {"tenant": tenant}}  # min_tokens: long answers stay long whatever the model says
 
     limits = ServeLimits(max_queue=8, max_queue_per_tenant=3, max_active=4)
     app = create_serve_app(kit, "k", Tenancy(allow_client_tenant=True), limits)
@@ -263,7 +268,7 @@ def test_one_tenant_cannot_starve_another(served, app_thread):
 def test_a_request_past_its_deadline_is_stopped(served, app_thread):
     _, kit, _ = served
     body = {"model": "k", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 500,
-            "temperature": 0}
+            "min_tokens": 500, "temperature": 0}
     with app_thread(create_serve_app(kit, "k", limits=ServeLimits(deadline_s=0.5))) as s:
         r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
@@ -364,7 +369,7 @@ def test_a_key_gets_one_queue_share_however_many_sub_tenants_it_names(served, ap
 
     def chat(sub: str | None, max_tokens: int, stream: bool) -> dict:
         return {"model": "k", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0, "stream": stream,
                 **({"contextkit": {"tenant": sub}} if sub else {})}
 
     keys = {"key-acme-0001": "acme", "key-globex-01": "globex"}
