@@ -22,12 +22,12 @@ from contextkit.core.errors import (
     UnsupportedModelError,
     UpstreamError,
 )
-from contextkit.core.client import Answer, ReuseSummary
+from contextkit.sdk.shapes import Answer, ReuseSummary
 from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.kvcache import KVCache
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
 from contextkit.core.planner import ChatRequest, Planner
-from contextkit.core.session import Client, Session
+from contextkit.sdk.session import Client, Session
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message, Skill, Span
 from contextkit.engine import Engine

@@ -244,7 +244,7 @@ def proxy(
 
     if config is not None and not config.is_file():
         _fail(f"--config {config} does not exist")
-    from contextkit.integrations.ratelimit import RateLimit
+    from contextkit.integrations.edge.ratelimit import RateLimit
 
     rate = None
     if rate_limit is not None:
@@ -296,7 +296,7 @@ def connector(
         return
     if backend != "cacheblend":
         _fail(f"--backend must be contextkit or cacheblend, got {backend!r}")
-    from contextkit.integrations.cacheblend import CacheBlendConfig, vllm_args, vllm_env, write_lmcache_config
+    from contextkit.integrations.vllm_connector.cacheblend import CacheBlendConfig, vllm_args, vllm_env, write_lmcache_config
 
     if out is None:
         _fail("--backend cacheblend writes LMCache's config: give --out FILE (e.g. lmcache-blend.yaml)")
@@ -337,8 +337,8 @@ def serve_cmd(
 
     from contextkit.core.config import KVStoreConfig
     from contextkit.core.tenancy import Tenancy, check_bind, load_api_keys
-    from contextkit.integrations.ratelimit import RateLimit
-    from contextkit.integrations.serve import ServeLimits, create_serve_app
+    from contextkit.integrations.edge.ratelimit import RateLimit
+    from contextkit.integrations.serve.app import ServeLimits, create_serve_app
     from contextkit.kit import ContextKit
 
     try:

@@ -17,7 +17,7 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnableLambda
 
 import contextkit
-from contextkit.integrations.langchain import ChatContextKit, ContextKitReorder, EvidenceRetriever
+from contextkit.integrations.frameworks.langchain import ChatContextKit, ContextKitReorder, EvidenceRetriever
 from contextkit.synthesis.embed import Embedder, VectorIndex
 
 HERE = Path(__file__).resolve().parent

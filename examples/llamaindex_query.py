@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import contextkit
-from contextkit.integrations.llamaindex import (
+from contextkit.integrations.frameworks.llamaindex import (
     ContextKitLLM, ContextKitQueryEngine, ContextKitReorderPostprocessor, EvidenceRetriever,
 )  # fmt: skip
 from contextkit.synthesis.embed import Embedder, VectorIndex

@@ -96,7 +96,7 @@ def vllm_url(smol_dir) -> str:
     ``make test`` starts it beside pytest (tools/with_services.py) and exports ``CONTEXTKIT_VLLM_URL``;
     a bare ``pytest`` starts one here and stops it at the end.
     """
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, wait_for_health
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, wait_for_health
 
     url = os.environ.get("CONTEXTKIT_VLLM_URL")
     if url:
@@ -119,7 +119,7 @@ def _service(env: str, make):
 @pytest.fixture(scope="session")
 def redis_url():
     """A real Redis (``make test`` exports ``CONTEXTKIT_REDIS_URL``; else one is started here)."""
-    from contextkit.integrations.services import redis_server
+    from contextkit.integrations.launchers.services import redis_server
 
     yield from _service("CONTEXTKIT_REDIS_URL", redis_server)
 
@@ -127,7 +127,7 @@ def redis_url():
 @pytest.fixture(scope="session")
 def lmcache_url():
     """A real ``lmcache_server`` (``make test`` exports ``CONTEXTKIT_LMCACHE_URL``; else started here)."""
-    from contextkit.integrations.services import lmcache_server
+    from contextkit.integrations.launchers.services import lmcache_server
 
     yield from _service("CONTEXTKIT_LMCACHE_URL", lmcache_server)
 

@@ -18,7 +18,7 @@ same Redis). Rows, in the order they run:
   from the disk tier.
 - ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
 - ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
-  (``integrations/proxy/spans.py``), each span new to the store compiled alone right after (as the
+  (``integrations/proxy/span_compiler.py``), each span new to the store compiled alone right after (as the
   proxy's compiler does), then A's prefix cache emptied.
 - ``span reuse (pic)``: the requests again, spans loaded re-rotated from the store, the question computed
   (reuse without recompute); then the prefix cache emptied again and
@@ -96,11 +96,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.core.tenancy import Tenancy
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
-    from contextkit.integrations.proxy.spans import pic_params, pic_salt, spans_of
-    from contextkit.integrations.process import free_port
-    from contextkit.integrations.services import redis_server
+    from contextkit.integrations.proxy.span_compiler import pic_params, pic_salt, spans_of
+    from contextkit.integrations.launchers.process import free_port
+    from contextkit.integrations.launchers.services import redis_server
     from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache
 
     k, block = ctx.option("k", 8, int), ctx.option("block_size", 32, int)
     if ctx.n is None:

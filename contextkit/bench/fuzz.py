@@ -20,7 +20,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from contextkit.integrations.openapi import openapi_schema
+from contextkit.integrations.edge.openapi import openapi_schema
+from contextkit.integrations.proxy.openapi import proxy_openapi_schema
 
 GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/responses", "/v1/messages")
 
@@ -54,7 +55,7 @@ class FuzzReport:
 def documented(server: str) -> dict[str, set[int]]:
     """The statuses each path may answer, from the server's OpenAPI document. The proxy relays every route
     but its own two to vLLM, which adds its own 400 and 404 (an unknown ``model``)."""
-    spec = openapi_schema(server)
+    spec = _schema(server)
     out = {}
     for path, ops in spec["paths"].items():
         for op in ops.values():
@@ -103,7 +104,7 @@ def fuzz(url: str, server: str, examples: int, api_key: str | None = None, *, ti
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_dict(openapi_schema(server))
+    schema = schemathesis.openapi.from_dict(_schema(server))
     strategy = st.one_of(schema.as_strategy(generation_mode=GenerationMode.POSITIVE),
                          schema.as_strategy(generation_mode=GenerationMode.NEGATIVE))
     allowed = documented(server)
@@ -143,3 +144,7 @@ def fuzz(url: str, server: str, examples: int, api_key: str | None = None, *, ti
     one()
     session.close()
     return report
+
+
+def _schema(server: str) -> dict:
+    return proxy_openapi_schema() if server == "proxy" else openapi_schema("serve")

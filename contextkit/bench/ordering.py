@@ -35,8 +35,8 @@ from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.metrics import answer_em, answer_f1
 from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace, write_trace
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.openai_client import CompletionClient
-from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
+from contextkit.bench.stream_client import CompletionClient
+from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
 from contextkit.core.models import prepare
 from contextkit.core.align import pad_to_block
 from contextkit.core.planner import ChatRequest, Planner

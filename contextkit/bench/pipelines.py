@@ -89,7 +89,7 @@ def _adapter_ms(name: str, question: str, retrieved, llm, reps: int = 20) -> flo
     documents to the SDK call, and the SDK answer back to the framework's response (no I/O)."""
     from langchain_core.messages import HumanMessage
 
-    from contextkit.core.client import Answer, ReuseSummary
+    from contextkit.sdk.shapes import Answer, ReuseSummary
 
     answer = Answer("an answer of a few words", "stop", 1400, 8, ReuseSummary("kv", 1400, 1200, 1300, 40, 60),
                     100.0, 200.0, "smol", "id")
@@ -109,7 +109,7 @@ def _adapter_ms(name: str, question: str, retrieved, llm, reps: int = 20) -> flo
 
 
 def llm_extra(answer):
-    from contextkit.integrations.llamaindex import CompletionResponse, _extra
+    from contextkit.integrations.frameworks.llamaindex import CompletionResponse, _extra
 
     return CompletionResponse(text=answer.text, additional_kwargs=_extra(answer))
 
@@ -121,11 +121,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from llama_index.llms.openai_like import OpenAILike
 
     from contextkit.core.models import prepare
-    from contextkit.integrations.langchain import ChatContextKit, EvidenceRetriever
-    from contextkit.integrations.llamaindex import ContextKitLLM
-    from contextkit.integrations.llamaindex import EvidenceRetriever as NodeRetriever
-    from contextkit.integrations.process import ManagedProcess, free_port, health
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, served_model
+    from contextkit.integrations.frameworks.langchain import ChatContextKit, EvidenceRetriever
+    from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
+    from contextkit.integrations.frameworks.llamaindex import EvidenceRetriever as NodeRetriever
+    from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, served_model
     from contextkit.kit import ContextKit
     from contextkit.sdk import connect
 

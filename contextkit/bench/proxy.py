@@ -54,8 +54,8 @@ import psutil
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.process import ManagedProcess, health
-from contextkit.integrations.vllm_server import (
+from contextkit.integrations.launchers.process import ManagedProcess, health
+from contextkit.integrations.launchers.vllm_server import (
     VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
 )  # fmt: skip
 from contextkit.core.models import prepare

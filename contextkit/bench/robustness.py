@@ -71,9 +71,9 @@ from contextkit.bench.data import load_records
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.proxy import _rss_kb, _split_cpus
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.process import free_port, wait_for_health
+from contextkit.integrations.launchers.process import free_port, wait_for_health
 from contextkit.integrations.proxy.settings import ProxySettings
-from contextkit.integrations.vllm_server import served_model
+from contextkit.integrations.launchers.vllm_server import served_model
 
 GOOD = 8
 DOCS = 6
@@ -499,8 +499,8 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.core.models import prepare
-    from contextkit.integrations.services import redis_server
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.integrations.launchers.services import redis_server
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
 
     servers = [s for s in ctx.option("servers", "proxy,serve").split(",") if s]
     if set(servers) - {"proxy", "serve"}:

@@ -79,9 +79,9 @@ from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.prompt import render_skill
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Message, Skill, skill_version
-from contextkit.integrations.openai_client import CompletionClient
-from contextkit.integrations.process import ManagedProcess, health
-from contextkit.integrations.vllm_server import (
+from contextkit.bench.stream_client import CompletionClient
+from contextkit.integrations.launchers.process import ManagedProcess, health
+from contextkit.integrations.launchers.vllm_server import (
     VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
 )  # fmt: skip
 

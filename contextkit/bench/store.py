@@ -52,7 +52,7 @@ def _tokens(n: int, tokenizer) -> tuple[int, ...]:
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.engine import Engine
-    from contextkit.integrations.services import lmcache_server, redis_server
+    from contextkit.integrations.launchers.services import lmcache_server, redis_server
     from contextkit.kernels.rerotate import Rerotator
     from contextkit.kvstore.entry import make_entry
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig

@@ -47,8 +47,8 @@ from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.workload import TraceRequest
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.integrations.process import ManagedProcess, free_port, health
-from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
+from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
+from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
 
 
 def _stream(http: httpx.Client, url: str, body: dict) -> dict[str, Any]:

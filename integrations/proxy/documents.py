@@ -28,11 +28,13 @@ from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.cacheblend import blend_prompt_ids, refuse_unasked_blend
-from contextkit.integrations.openai_api import SAMPLING, ChatBody, chunk, completion, parse_chat, sse
+from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
+from contextkit.integrations.edge.answers import chunk, completion, sse
+from contextkit.integrations.edge.parse import parse_chat
+from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
-from contextkit.integrations.proxy.spans import check_options, pic_params, pic_salt, segments_of, spans_of
-from contextkit.integrations.upstreams import Upstream
+from contextkit.integrations.proxy.span_compiler import check_options, pic_params, pic_salt, segments_of, spans_of
+from contextkit.integrations.proxy.upstreams import Upstream
 
 # Plannings at once. Tokenizing is CPU-bound (the tokenizer's Rust core runs without the GIL), so more
 # threads than the cores left over from the event loop only slow each other down, and each planning holds

@@ -41,7 +41,7 @@ class ProxySettings(BaseSettings):
     rate_burst: int = Field(0, ge=0)  # requests a quiet tenant may send at once; 0: twice the rate
     # the KV connector the upstreams run, which documents requests may opt in to (contextkit.reuse):
     # "contextkit" (integrations/vllm_connector: span reuse, {"policy": "none"}), "cacheblend" (LMCache's
-    # CacheBlend, integrations/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by its separator),
+    # CacheBlend, integrations/vllm_connector/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by its separator),
     # "none": no opt-in, prompts only
     kv_connector: Literal["none", "contextkit", "cacheblend"] = "none"
     cacheblend_separator: str = " # # "  # LMCache's blend_special_str on the upstreams (CacheBlendConfig)

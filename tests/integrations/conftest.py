@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from contextkit.bench.workload import TraceDoc, TraceRequest
-from contextkit.integrations.process import free_port
+from contextkit.integrations.launchers.process import free_port
 
 
 class AppThread:
@@ -118,8 +118,8 @@ def keyed_serve(config, app_thread):
     """``contextkit serve`` on the default model with one API key (tenant ``acme``), no rate limit:
     (url, key, kit). Shared by the SDK and adapter tests."""
     from contextkit.core.tenancy import Tenancy
-    from contextkit.integrations.ratelimit import RateLimit
-    from contextkit.integrations.serve import ServeLimits, create_serve_app
+    from contextkit.integrations.edge.ratelimit import RateLimit
+    from contextkit.integrations.serve.app import ServeLimits, create_serve_app
     from contextkit.kit import ContextKit
 
     kit = ContextKit(config)

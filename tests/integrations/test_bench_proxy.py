@@ -41,7 +41,7 @@ def test_cores_split_between_engine_and_proxy(monkeypatch):
 
     from contextkit.bench.proxy import _split_cpus
     from contextkit.core.errors import ConfigError
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert _split_cpus(True, "", starting_engine=True) == ((0, 1, 2), (3,))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.integrations.cacheblend import (
+from contextkit.integrations.vllm_connector.cacheblend import (
     DEFAULT_SEPARATOR,
     CacheBlendConfig,
     blend_prompt_ids,

@@ -9,10 +9,10 @@ import pytest
 from contextkit import ContextKit
 from contextkit.bench.fuzz import fuzz
 from contextkit.core.tenancy import Tenancy
-from contextkit.integrations.openapi import openapi_schema
+from contextkit.integrations.proxy.openapi import proxy_openapi_schema
 from contextkit.integrations.proxy import ProxySettings, create_app
-from contextkit.integrations.ratelimit import RateLimit
-from contextkit.integrations.serve import ServeLimits, create_serve_app
+from contextkit.integrations.edge.ratelimit import RateLimit
+from contextkit.integrations.serve.app import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow
 KEYS = {"key-acme-0001": "acme"}
@@ -40,4 +40,4 @@ def test_fuzz_proxy_in_front_of_vllm(vllm_url, config, app_thread):
         report = fuzz(p.url, "proxy", 300, "key-acme-0001", timeout_s=45)
     _assert_clean(report)
     # every route the proxy forwards was tried (its allow-list: proxy.routes), and its own two
-    assert {path for path, _ in report.statuses} == set(openapi_schema("proxy")["paths"])
+    assert {path for path, _ in report.statuses} == set(proxy_openapi_schema()["paths"])

@@ -20,8 +20,8 @@ from langchain_core.runnables import RunnableLambda  # noqa: E402
 import contextkit  # noqa: E402
 from contextkit.core.errors import AuthenticationError, UpstreamError  # noqa: E402
 from contextkit.core.types import Evidence  # noqa: E402
-from contextkit.integrations.langchain import ChatContextKit, ContextKitReorder, EvidenceRetriever  # noqa: E402
-from contextkit.integrations.process import free_port  # noqa: E402
+from contextkit.integrations.frameworks.langchain import ChatContextKit, ContextKitReorder, EvidenceRetriever  # noqa: E402
+from contextkit.integrations.launchers.process import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,6 @@ def test_bad_input_and_failures_raise_clear_errors(keyed_serve, docs):
 
 def test_importing_without_the_extra_says_what_to_install():
     code = ("import sys; sys.modules['langchain_core'] = None\n"
-            "import contextkit.integrations.langchain")
+            "import contextkit.integrations.frameworks.langchain")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "pip install 'contextkit[langchain]'" in proc.stderr

@@ -18,7 +18,7 @@ from llama_index.core.schema import NodeWithScore, TextNode  # noqa: E402
 import contextkit  # noqa: E402
 from contextkit.core.errors import AuthenticationError  # noqa: E402
 from contextkit.core.types import Evidence  # noqa: E402
-from contextkit.integrations.llamaindex import (  # noqa: E402
+from contextkit.integrations.frameworks.llamaindex import (  # noqa: E402
     ContextKitLLM, ContextKitQueryEngine, ContextKitReorderPostprocessor, EvidenceRetriever,
 )  # fmt: skip
 
@@ -107,6 +107,6 @@ def test_bad_input_and_failures(keyed_serve, nodes):
 
 def test_importing_without_the_extra_says_what_to_install():
     code = ("import sys; sys.modules['llama_index.core'] = None; sys.modules['llama_index'] = None\n"
-            "import contextkit.integrations.llamaindex")
+            "import contextkit.integrations.frameworks.llamaindex")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "pip install 'contextkit[llamaindex]'" in proc.stderr

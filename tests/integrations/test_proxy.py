@@ -17,7 +17,7 @@ import pytest
 
 from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.process import free_port
+from contextkit.integrations.launchers.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -276,7 +276,7 @@ def test_proxy_process_finishes_in_flight_streams_on_sigterm(vllm_url, config):
     import subprocess
     import sys
 
-    from contextkit.integrations.process import health
+    from contextkit.integrations.launchers.process import health
 
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "contextkit")
@@ -348,7 +348,7 @@ def test_the_tenant_comes_from_the_api_key(recorder, config, app_thread):
 @pytest.fixture(scope="module")
 def keyed_vllm(smol_dir):
     """A second real vLLM server, started with --api-key."""
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
 
     with VLLMServer(VLLMServerConfig(model_dir=smol_dir, extra_args=("--api-key", "upstream-key-1"),
                                      max_model_len=2048, kv_cache_gib=1)) as server:
@@ -435,7 +435,7 @@ def test_a_conversation_is_never_cut_into_connector_spans(smol_dir):
     from contextkit.core.planner import ChatRequest, Planner
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
-    from contextkit.integrations.proxy.spans import segments_of, spans_of
+    from contextkit.integrations.proxy.span_compiler import segments_of, spans_of
 
     planner = Planner(Tokenizer(smol_dir))
     docs = (Evidence("Paris is in France.", "d1"), Evidence("Rome is in Italy.", "d2"))
@@ -466,7 +466,7 @@ def test_a_flood_of_unseen_spans_never_grows_the_compile_backlog_past_its_bounds
 
     from prometheus_client import CollectorRegistry
 
-    from contextkit.integrations.proxy.spans import SpanCompiler
+    from contextkit.integrations.proxy.span_compiler import SpanCompiler
 
     registry = CollectorRegistry()
 

@@ -9,9 +9,9 @@ import pytest
 
 from contextkit.core.errors import ConfigError, RateLimitError, http_status
 from contextkit.core.tenancy import Tenancy, Tenant
-from contextkit.integrations.openai_api import error_headers
+from contextkit.integrations.edge.answers import error_headers
 from contextkit.integrations.proxy import ProxySettings, create_app
-from contextkit.integrations.ratelimit import RateLimit, RateLimiter
+from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
 
 KEYS = {"key-acme-0001": "acme", "key-globex-01": "globex"}
 
@@ -116,7 +116,7 @@ def test_serve_refuses_a_tenant_over_its_rate_before_reading_the_body(app_thread
     import httpx
 
     from contextkit import ContextKit
-    from contextkit.integrations.serve import ServeLimits, create_serve_app
+    from contextkit.integrations.serve.app import ServeLimits, create_serve_app
 
     kit = ContextKit(config)
     try:

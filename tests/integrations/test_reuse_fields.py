@@ -9,7 +9,7 @@ import pytest
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.openai_api import parse_chat
+from contextkit.integrations.edge.parse import parse_chat
 
 BAD = [({"separator": [-1]}, "separator"), ({"separator": "abc"}, "separator"), ({"separator": [1.5]}, "separator"),
        ({"block_size": 1.5}, "block_size"), ({"ratio": "0.3"}, "ratio"), ({"ratio": 2}, "ratio"),

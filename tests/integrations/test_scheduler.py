@@ -7,7 +7,7 @@ import threading
 import time
 
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.scheduler import FairScheduler, Job
+from contextkit.integrations.serve.engine_turns import FairScheduler, Job
 
 
 class _Stream:

@@ -13,9 +13,9 @@ from contextkit.core.errors import (
     UpstreamError,
 )  # fmt: skip
 from contextkit.core.planner import ChatRequest, Planner
-from contextkit.core.session import Client
+from contextkit.sdk.session import Client
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.process import free_port
+from contextkit.integrations.launchers.process import free_port
 from contextkit.sdk import LocalTransport
 
 

@@ -15,8 +15,8 @@ import pytest
 from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
 from contextkit.core.tenancy import Tenancy
 from contextkit.integrations.proxy import ProxySettings, create_app
-from contextkit.integrations.ratelimit import RateLimit
-from contextkit.integrations.serve import ServeLimits, create_serve_app
+from contextkit.integrations.edge.ratelimit import RateLimit
+from contextkit.integrations.serve.app import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow
 
@@ -177,7 +177,7 @@ def test_serve_command_answers_and_stops_cleanly(config):
     import sys
     import time
 
-    from contextkit.integrations.vllm_server import free_port, health
+    from contextkit.integrations.launchers.vllm_server import free_port, health
 
     port = free_port()
     env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(config.cache_dir))

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.upstreams import UpstreamPool
+from contextkit.integrations.proxy.upstreams import UpstreamPool
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc
 

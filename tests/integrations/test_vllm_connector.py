@@ -352,8 +352,8 @@ def kv(smol_dir, config, tmp_path_factory):
     view of the store, to wait for saves (they finish after the request, on the connector's thread)."""
     from contextkit.core.spec import load_spec
     from contextkit.core.tenancy import deployment_secret, derive
-    from contextkit.integrations.services import redis_server
-    from contextkit.integrations.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.integrations.launchers.services import redis_server
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
     root = tmp_path_factory.mktemp("connector")
@@ -451,7 +451,7 @@ def test_restart_loads_from_the_store_and_corrupt_entries_are_recomputed(kv, smo
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
     redis.Redis.from_url(kv.redis_url).flushall()
-    from contextkit.integrations.vllm_server import reset_prefix_cache
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
 
     assert reset_prefix_cache(kv.a.url)
     failures0 = metric(kv.a.url, "contextkit_connector_load_failures")
@@ -602,7 +602,7 @@ def test_a_store_that_is_down_makes_vllm_compute(kv, smol_dir, passage_text):
     A still loads from its disk tier, nothing fails. (The deadline logic itself is checked with a test
     clock: ``test_a_steps_lookups_share_one_deadline_and_make_one_round_trip_a_request``,
     ``test_a_steps_loads_share_one_deadline``; here nothing asserts wall-clock time.)"""
-    from contextkit.integrations.vllm_server import reset_prefix_cache
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
 
     ids = prompt_of(smol_dir, passage_text[14000:], 12 * BS + 9)
     complete(kv.a.url, ids, "tenant-d")

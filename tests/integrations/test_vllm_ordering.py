@@ -11,8 +11,8 @@ import pytest
 
 from contextkit.bench.ordering import TraceRenderer
 from contextkit.bench.workload import write_trace
-from contextkit.integrations.openai_client import CompletionClient
-from contextkit.integrations.vllm_server import served_model
+from contextkit.bench.stream_client import CompletionClient
+from contextkit.integrations.launchers.vllm_server import served_model
 from contextkit.ordering.weaver import Doc, Weaver
 from contextkit.core.tokenizer import Tokenizer
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.services import lmcache_server, redis_server
-from contextkit.integrations.vllm_server import free_port
+from contextkit.integrations.launchers.services import lmcache_server, redis_server
+from contextkit.integrations.launchers.vllm_server import free_port
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig, lmcache_config
 
 from contextkit.kvstore.entry import encode_bytes

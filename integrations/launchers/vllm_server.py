@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from contextkit.core.errors import ConfigError, UpstreamError
-from contextkit.integrations.process import ManagedProcess, free_port, health, wait_for_health
+from contextkit.integrations.launchers.process import ManagedProcess, free_port, health, wait_for_health
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "free_port", "health", "reset_prefix_cache", "served_model",
            "vllm_python", "wait_for_health"]

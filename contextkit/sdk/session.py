@@ -1,4 +1,4 @@
-"""The SDK client and its multi-turn sessions, on any transport (``contextkit.core.client``).
+"""The SDK client and its multi-turn sessions, on any transport (``contextkit.sdk.shapes``).
 
     client = contextkit.connect()                                  # in process, built-in engine
     client = contextkit.connect("http://localhost:8000", api_key=KEY)   # contextkit serve or proxy
@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from contextkit.core.client import Answer, Call, Transport
+from contextkit.sdk.shapes import Answer, Call, Transport
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.planner import content_id

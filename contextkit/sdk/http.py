@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from contextkit.core.client import Answer, Call, ReuseSummary
+from contextkit.sdk.shapes import Answer, Call, ReuseSummary
 from contextkit.core.errors import (
     AuthenticationError, BodyTooLargeError, ContextKitError, InputError, OverloadedError, PermissionDeniedError,
     PromptTooLongError, RateLimitError, UpstreamError, UpstreamTimeoutError,

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from contextkit.core.planner import content_id
-from contextkit.core.session import Client
+from contextkit.sdk.session import Client
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Evidence
 from contextkit.ordering.weaver import Weaver
@@ -19,7 +19,7 @@ def client_of(client: Any, base_url: str | None, api_key: str | None, model: str
         if not base_url:
             raise ValueError(f"{who} needs client=contextkit.connect(...) or base_url= (a contextkit serve or "
                              "proxy URL)")
-        from contextkit.integrations.http_transport import HTTPTransport
+        from contextkit.sdk.http import HTTPTransport
 
         return Client(HTTPTransport(base_url, api_key, model, timeout_s))
     if not isinstance(client, Client):

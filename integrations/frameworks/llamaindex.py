@@ -33,15 +33,15 @@ try:
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
     from pydantic import ConfigDict, Field, PrivateAttr
 except ImportError as exc:  # pragma: no cover - exercised by a test in a subprocess
-    raise ImportError("contextkit.integrations.llamaindex needs llama-index-core: "
+    raise ImportError("contextkit.integrations.frameworks.llamaindex needs llama-index-core: "
                       "pip install 'contextkit[llamaindex]'") from exc
 
-from contextkit.core.client import Answer
+from contextkit.sdk.shapes import Answer
 from contextkit.core.errors import InputError
 from contextkit.core.planner import content_id
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.adapter import client_of, reuse_order
+from contextkit.integrations.frameworks.adapter import client_of, reuse_order
 from contextkit.ordering.weaver import Weaver
 
 
@@ -195,7 +195,7 @@ class ContextKitLLM(CustomLLM):
 
 class ContextKitReorderPostprocessor(BaseNodePostprocessor):
     """Orders nodes so that the longest run this tenant already sent comes first (the Weaver; see
-    ``contextkit.integrations.langchain.ContextKitReorder``). ``count_tokens`` default: characters / 4."""
+    ``contextkit.integrations.frameworks.langchain.ContextKitReorder``). ``count_tokens`` default: characters / 4."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 

@@ -4,7 +4,7 @@
     client = contextkit.connect()                                   # in process, the embedded default model
     client = contextkit.connect("http://localhost:8000", api_key=KEY)    # contextkit serve / proxy
 
-Both transports take the same calls and return the same ``Answer`` (``contextkit.core.client``). The
+Both transports take the same calls and return the same ``Answer`` (``contextkit.sdk.shapes``). The
 in-process one runs the KV path: documents and skills are position-free spans reused at the default
 policy unless a call says otherwise; it alone can ``fork`` worker branches and ``join`` their KV.
 """
@@ -16,14 +16,14 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from contextkit.core.client import Answer, Call, ReuseSummary
+from contextkit.sdk.shapes import Answer, Call, ReuseSummary
 from contextkit.core.config import ContextKitConfig
 from contextkit.core.errors import EmptyInputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.prompt import render_document
-from contextkit.core.session import Client, athread, evidence
+from contextkit.sdk.session import Client, athread, evidence
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill
 from contextkit.kit import ContextKit, KitStream
@@ -35,7 +35,7 @@ def connect(url: str | None = None, api_key: str | None = None, *, config: Conte
     ``api_key``, or, without a URL, in process on ``kit`` (or a new ``ContextKit(config)``)."""
     if url is None:
         return Client(LocalTransport(kit or ContextKit(config)))
-    from contextkit.integrations.http_transport import HTTPTransport
+    from contextkit.sdk.http import HTTPTransport
 
     return Client(HTTPTransport(url, api_key, model, timeout_s))
 

@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.process import ManagedProcess, free_port, port_open
+from contextkit.integrations.launchers.process import ManagedProcess, free_port, port_open
 
 
 class Service(ManagedProcess):

@@ -30,14 +30,13 @@ from contextkit.core.errors import (
 )  # fmt: skip
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.metrics import CONTENT_TYPE, ServerMetrics
-from contextkit.integrations.openai_api import (
-    ClientGone, CompletionBody, chunk, completion, error_body, error_headers, json_body, new_id, parse_chat, read_body,
-    sse, usage, validate,
-)  # fmt: skip
-from contextkit.integrations.openapi import openapi_schema
-from contextkit.integrations.ratelimit import RateLimit, RateLimiter
-from contextkit.integrations.scheduler import FairScheduler, Job
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics
+from contextkit.integrations.edge.answers import chunk, completion, error_body, error_headers, new_id, sse, usage
+from contextkit.integrations.edge.parse import ClientGone, json_body, parse_chat, read_body, validate
+from contextkit.integrations.edge.shapes import CompletionBody  # fmt: skip
+from contextkit.integrations.edge.openapi import openapi_schema
+from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
+from contextkit.integrations.serve.engine_turns import FairScheduler, Job
 from contextkit.kvstore.metrics import StoreCollector
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """The SDK's request and result shapes, and the transport seam every client method goes through.
 
-One ``Client`` (``contextkit.core.session``) runs on either transport with the same methods and the same
+One ``Client`` (``contextkit.sdk.session``) runs on either transport with the same methods and the same
 results: in-process on the built-in engine (``contextkit.sdk.LocalTransport``) or over HTTP to a
-``contextkit serve`` or ``contextkit proxy`` URL (``contextkit.integrations.http_transport``). The
-framework adapters (``contextkit.integrations.langchain`` / ``.llamaindex``) are written against these
+``contextkit serve`` or ``contextkit proxy`` URL (``contextkit.sdk.http``). The
+framework adapters (``contextkit.integrations.frameworks.langchain`` / ``.llamaindex``) are written against these
 types, so they work on both.
 
 Names follow OpenAI and vLLM (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``); where ours
