@@ -1,4 +1,4 @@
-"""Fixtures of the integration tests: an ASGI app served in a thread, and small real trace requests."""
+"""Fixtures of the integration tests: a recording hop in front of vLLM, a keyed serve, an open proxy."""
 
 from __future__ import annotations
 
@@ -11,33 +11,7 @@ import time
 import httpx
 import pytest
 
-from contextkit.bench.workload import TraceDoc, TraceRequest
 from contextkit.integrations.launchers.process import free_port
-
-
-class AppThread:
-    """An ASGI app under uvicorn in a daemon thread, on a free loopback port (``with`` starts and stops it)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -78,39 +52,6 @@ def recorder(vllm_url):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield handler, f"http://127.0.0.1:{srv.server_port}"
     srv.shutdown()
-
-
-@pytest.fixture(scope="session")
-def app_thread():
-    """``app_thread(asgi_app)``: a context manager serving it on loopback (``.url``, ``.app``)."""
-    return AppThread
-
-
-@pytest.fixture(scope="session")
-def trace_requests(repo, shared_data):
-    """``trace_requests(n)``: per QA item its passages in retrieval order, then the same set retrieved in
-    another order (real multi-hop passages, or the bundled example in a clone without the shared data)."""
-
-    def make(n_items: int = 3) -> list[TraceRequest]:
-        shared = shared_data / "multihop_dev.jsonl"
-        if shared.is_file():
-            rows = [json.loads(line) for line in shared.read_text().splitlines()[:n_items]]
-        else:  # the bundled example, its documents rotated per item
-            ex = json.loads((repo / "examples" / "question.json").read_text())
-            docs = ex["documents"]
-            rows = [{"question": ex["question"], "answers": ex.get("answers", []),
-                     "passages": docs[i:] + docs[:i]} for i in range(n_items)]
-        out, rng = [], random.Random(0)
-        for i, r in enumerate(rows):
-            docs = [TraceDoc(f"{i}-{j}", p["title"], p["text"]) for j, p in enumerate(r["passages"][:6])]
-            again = docs[:]
-            while again[0] == docs[0]:
-                rng.shuffle(again)
-            out.append(TraceRequest(f"r{i}a", f"s{i}", "", r["question"], tuple(r["answers"]), tuple(docs)))
-            out.append(TraceRequest(f"r{i}b", f"s{i}", "", "What else do the documents say?", (), tuple(again)))
-        return out
-
-    return make
 
 
 @pytest.fixture(scope="session")

@@ -404,7 +404,7 @@ def test_proxy_renders_blend_segments_for_requests_that_opt_in(vllm_url, config,
         row = json.loads(path.read_text().splitlines()[0])
         docs = [{"id": p["title"], "text": p["text"]} for p in row["passages"][:3]]
     else:  # a user's clone: the bundled example
-        row = json.loads((Path(__file__).parents[2] / "examples" / "question.json").read_text())
+        row = json.loads((Path(__file__).parents[3] / "examples" / "question.json").read_text())
         docs = [{"id": str(d.get("id", i)), "text": d["text"]} for i, d in enumerate(row["documents"][:3])]
     body = {"model": "smol", "messages": [{"role": "user", "content": row["question"]}], "documents": docs,
             "max_tokens": 2, "return_token_ids": True, "contextkit": {"reuse": {"policy": "kv_deviation"}}}

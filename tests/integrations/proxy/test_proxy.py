@@ -38,7 +38,7 @@ def clients(proxy, vllm_url):
 
 
 def _docs():
-    ex = json.loads((Path(__file__).resolve().parents[2] / "examples" / "question.json").read_text())
+    ex = json.loads((Path(__file__).resolve().parents[3] / "examples" / "question.json").read_text())
     return ex["question"], [{"id": f"doc{i}", **d} for i, d in enumerate(ex["documents"])]
 
 

@@ -480,7 +480,7 @@ def documents_body(shared_data: Path, reuse: dict | None, tenant: str, k: int = 
     path = shared_data / "multihop_dev.jsonl"
     row = json.loads(path.read_text().splitlines()[3]) if path.is_file() else None
     docs = ([{"id": p["title"], "title": p["title"], "text": p["text"]} for p in row["passages"][:k]] if row else
-            json.loads((Path(__file__).parents[2] / "examples" / "question.json").read_text())["documents"])
+            json.loads((Path(__file__).parents[3] / "examples" / "question.json").read_text())["documents"])
     question = row["question"] if row else "What do the documents say?"
     ck = {"tenant": tenant, **({"reuse": reuse} if reuse is not None else {})}
     return {"model": "smol", "messages": [{"role": "user", "content": question}], "documents": docs,
