@@ -12,6 +12,7 @@ import uuid
 import httpx
 import pytest
 
+from contextkit.bench.boundary import body_for, cached_tokens
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.proxy.routes import ROUTES
@@ -26,25 +27,9 @@ HOSTILE = {"kv_transfer_params": {"contextkit": {"mode": "pic", "salt": "", "spa
 
 
 def _bodies(model: str, text: str) -> dict[str, dict]:
-    """One body per generation route of vLLM 0.32, each asking for 2 tokens of ``text``."""
-    msgs = [{"role": "user", "content": text}]
-    return {"/v1/completions": {"model": model, "prompt": text, "max_tokens": 2},
-            "/v1/chat/completions": {"model": model, "messages": msgs, "max_tokens": 2},
-            "/v1/chat/completions/batch": {"model": model, "messages": [msgs, msgs], "max_tokens": 2},
-            "/v1/responses": {"model": model, "input": text, "max_output_tokens": 2},
-            "/v1/messages": {"model": model, "messages": msgs, "max_tokens": 2}}
-
-
-def _cached(path: str, answer: dict) -> int | None:
-    """The prompt tokens vLLM served from its prefix cache, as each route reports them (batch: none)."""
-    usage = answer.get("usage") or {}
-    if path == "/v1/responses":
-        return (usage.get("input_tokens_details") or {}).get("cached_tokens")
-    if path == "/v1/messages":
-        return usage.get("cache_read_input_tokens")
-    if path == "/v1/chat/completions/batch":
-        return None
-    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    """One body per generation route the proxy forwards, each asking for 2 tokens of ``text`` (the
+    robustness bench's own requests)."""
+    return {r.path: body_for(r.path, model, text) for r in ROUTES.values() if r.generates}
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +117,8 @@ def test_one_tenant_sees_nothing_of_anothers_prompt_on_any_route(vllm_url, confi
             other = httpx.post(p.url + path, json=body, headers=GLOBEX, timeout=120)
             again = httpx.post(p.url + path, json=body, headers=ACME, timeout=120)
             assert first.status_code == other.status_code == again.status_code == 200, (path, other.text)
-            assert _cached(path, other.json()) == 0, path
-            assert _cached(path, again.json()) > 0, path  # the cache did hold it, for its own tenant
+            assert cached_tokens(path, other.json()) == 0, path
+            assert cached_tokens(path, again.json()) > 0, path  # the cache did hold it, for its own tenant
 
 
 @pytest.mark.parametrize("headers, status", [
