@@ -108,6 +108,10 @@ class VLLMServer:
         if shutil.which(py) is None and not Path(py).is_file():
             raise UpstreamError(f"python interpreter {py!r} for vLLM not found; set CONTEXTKIT_VLLM_PYTHON")
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(c.kv_cache_gib), VLLM_LOGGING_LEVEL="WARNING")
+        # never this process's PROMETHEUS_MULTIPROC_DIR (kvstore/lmcache_tier.py sets one for LMCache): vLLM's
+        # API server reads every counter file in it, so servers launched from one process summed each
+        # other's counters (a restarted server reported its peer's external cache hits as its own)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         if c.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if c.cpus:
