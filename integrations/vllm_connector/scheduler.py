@@ -1,0 +1,144 @@
+"""The connector's scheduler side: looks entries up and plans each step's loads and saves.
+
+vLLM runs it in the scheduler process (``KVConnectorRole.SCHEDULER``; ``connector.ContextKitConnector``
+delegates to it). It keeps a ``RequestState`` per request: the memoised lookup (vLLM may ask again for the
+same local hit), the load vLLM accepted, the request's blocks and how many of them are saved. Lookups go
+to the store in one batched call per request under the step's deadline (``lookup``); the bytes are moved
+by the worker side (``worker.py``) from the ``ConnectorMeta`` built here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from contextkit.core.errors import ConfigError
+from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
+from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
+from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.saves import SaveOp
+from contextkit.integrations.vllm_connector.settings import ConnectorSettings, RequestOptions
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from contextkit.kvstore.tiered import TieredStore
+
+log = logging.getLogger("contextkit.connector")
+
+
+class ConnectorScheduler:
+    """The scheduler-side half of ``ContextKitConnector`` (module docstring)."""
+
+    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore,
+                 pic_loads: bool):
+        self.block_size = geometry.block_size
+        self.geometry = geometry
+        self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
+        self.lookup = Lookup(store, geometry, timeout_s=settings.timeout_s, max_spans=settings.max_spans)
+        self._requests: dict[str, RequestState] = {}
+
+    def _state(self, request: Request) -> RequestState:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            ids = list(request.prompt_token_ids or [])
+            try:
+                opts = RequestOptions.of(request.kv_transfer_params, len(ids))
+                salt = opts.namespace(request.cache_salt)  # never a salt the client chose (settings)
+            except ConfigError as exc:  # the request runs, with exact reuse under its own cache_salt
+                log.warning("request %s: %s; using exact reuse", request.request_id, exc)
+                opts, salt = RequestOptions(), request.cache_salt
+            st = self._requests[request.request_id] = RequestState(ids, opts, salt)
+        return st
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st.lookup is not None and st.lookup[0] == num_computed_tokens:
+            return st.lookup[1], False
+        limit = len(st.ids) - 1  # vLLM computes at least the last prompt token
+        missing: tuple = ()
+        if st.opts.mode == "off":
+            pieces: tuple[Piece, ...] = ()
+        elif st.opts.mode == "pic":
+            # no RoPE geometry: pic requests load nothing (logged once at start) and are computed in full
+            pieces, missing = self.lookup.spans(st, num_computed_tokens, limit) if self.pic_loads else ((), ())
+        else:
+            pieces = self.lookup.blocks(st, num_computed_tokens, limit)
+        n = sum(p.n for p in pieces)
+        st.lookup = (num_computed_tokens, n, pieces, missing)
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._requests.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or st.lookup is None:
+            return
+        computed, n, pieces, _ = st.lookup
+        kept, total = [], 0
+        for p in pieces:  # vLLM may take fewer tokens than offered
+            if total >= num_external_tokens:
+                break
+            take = min(p.n, num_external_tokens - total)
+            kept.append(p if take == p.n else Piece(p.key, p.src, take, p.dst, p.ids[:take], p.shift))
+            total += take
+        st.load = (computed, computed + total, tuple(kept))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        meta = ConnectorMeta()
+        self.lookup.new_step()  # this step's lookups are done: the next ones get a deadline of their own
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            if st.saved_blocks < 0:  # first scheduled: blocks before here were hits (local or loaded)
+                st.saved_blocks = new.num_computed_tokens // self.block_size
+            if st.load is not None:
+                start, end, pieces = st.load
+                meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids)))
+                st.loaded_tokens += end - start
+                st.load = None
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            self._plan_saves(st, done, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_saves(st, done, meta)
+        return meta
+
+    def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
+        """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), and for a
+        span compile the whole prompt once it is computed."""
+        if st.opts.mode in ("pic", "off") or st.saved_blocks < 0:
+            return
+        bs, prompt = self.block_size, len(st.ids)
+        full = min(done, prompt) // bs
+        if full > st.saved_blocks:
+            keys = self.lookup.block_keys(st)
+            for b in range(st.saved_blocks, full):
+                meta.saves.append(SaveOp(keys[b], b * bs, (b + 1) * bs, tuple(st.ids[b * bs : (b + 1) * bs]),
+                                         tuple(st.block_ids)))
+            st.saved_blocks = full
+        if st.opts.mode == "span" and not st.span_saved and done >= prompt:
+            meta.saves.append(SaveOp(span_key(self.geometry, st.salt, st.ids), 0, prompt, tuple(st.ids),
+                                     tuple(st.block_ids)))
+            st.span_saved = True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._requests.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        out: dict[str, Any] = {"loaded_tokens": st.loaded_tokens, "mode": st.opts.mode}
+        if st.lookup is not None and st.lookup[3]:
+            out["missing_spans"] = [list(m) for m in st.lookup[3]]
+        return False, {"contextkit": out}

@@ -1,0 +1,163 @@
+"""The connector's worker side: moves the tensors between vLLM's paged KV cache and the store.
+
+vLLM runs it in the worker process (``KVConnectorRole.WORKER``; ``connector.ContextKitConnector``
+delegates to it) and hands it each step's ``ConnectorMeta`` from the scheduler side. Loads are
+synchronous: one batched fetch per step under one deadline (``lookup.fetch``), then one rotation and one
+cache write per layer, before the forward that needs them. An entry that is gone, fails its checks or
+does not match is not loaded, is counted, and its blocks are reported to vLLM, which recomputes them.
+Saves copy the step's tokens out of the cache and go to the store on a background thread (``saves``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+from contextkit.core.errors import ConfigError
+from contextkit.integrations.vllm_connector.keys import KVGeometry
+from contextkit.integrations.vllm_connector.lookup import Piece, fetch
+from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
+from contextkit.integrations.vllm_connector.saves import SaveQueue
+from contextkit.integrations.vllm_connector.settings import ConnectorSettings
+from contextkit.integrations.vllm_connector.stats import ConnectorStats, Counters
+from contextkit.kvstore.deadline import Deadline
+from contextkit.kvstore.entry import Entry
+
+if TYPE_CHECKING:
+    from contextkit.kvstore.tiered import TieredStore
+
+log = logging.getLogger("contextkit.connector")
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+class ConnectorWorker:
+    """The worker-side half of ``ContextKitConnector`` (module docstring)."""
+
+    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore, rope: list | None):
+        self.settings = settings
+        self.geometry = geometry
+        self.block_size = geometry.block_size
+        self.store = store
+        self.rope = rope  # each layer's RoPE geometry, or None: then span K cannot be re-rotated
+        self.counters = Counters()
+        self._caches: list[tuple[str, torch.Tensor]] = []
+        self._paged: PagedKV | None = None
+        self._rotator = None
+        self._load_errors: set[int] = set()
+        self._saves: SaveQueue | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def index(name: str) -> int:
+            m = _LAYER_INDEX.search(name)
+            if m is None:
+                raise ConfigError(f"cannot tell the layer index of KV cache {name!r}")
+            return int(m.group(1))
+
+        self._caches = sorted(kv_caches.items(), key=lambda kv: index(kv[0]))
+        if len(self._caches) != self.geometry.num_layers:
+            raise ConfigError(f"vLLM registered {len(self._caches)} KV caches, the model has "
+                              f"{self.geometry.num_layers} layers (hybrid models are not supported)")
+        self._paged = PagedKV(self._caches[0][1], self.block_size)
+        if (self._paged.num_heads, self._paged.head_size) != (self.geometry.num_kv_heads, self.geometry.head_size):
+            raise ConfigError(f"KV cache heads/head size {self._paged.num_heads}/{self._paged.head_size} differ from "
+                              f"the model's {self.geometry.num_kv_heads}/{self.geometry.head_size}")
+        self._saves = SaveQueue(self.store, budget_bytes=self.settings.save_queue_bytes, counters=self.counters,
+                                layout=self.geometry.layout())
+
+    def start_load_kv(self, meta: object) -> None:
+        if not isinstance(meta, ConnectorMeta) or not meta.loads or self._paged is None:
+            return
+        # the step's entries in one batched call, under one deadline for the whole step
+        entries = fetch(self.store, [p for op in meta.loads for p in op.pieces],
+                        deadline=Deadline(self.settings.timeout_s))
+        at = 0
+        for op in meta.loads:
+            self._load(op, entries[at : at + len(op.pieces)])
+            at += len(op.pieces)
+
+    def _load(self, op: LoadOp, entries: list[Entry | None | Exception]) -> None:
+        """Read the op's entries, then write them with one rotation and one cache write per layer (each
+        torch call costs tens of microseconds inside vLLM's worker: per block and layer it added up to
+        hundreds of milliseconds a request)."""
+        bs = self.block_size
+        ks, vs, shifts, good = [], [], [], []
+        for piece, entry in zip(op.pieces, entries):
+            try:
+                k, v = self._read_entry(piece, entry)
+            except _Unloadable as exc:
+                log.warning("request %s: not loading tokens %d..%d (%s); vLLM recomputes them", op.req_id,
+                            piece.dst, op.end, exc)
+                self.counters.add("load_failures")
+                self._load_errors.update(op.block_ids[piece.dst // bs : -(-op.end // bs)])
+                break
+            ks.append(k)
+            vs.append(v)
+            shifts.append(torch.full((piece.n,), piece.shift, dtype=torch.long))
+            good.append(piece)
+        if not good:
+            return
+        k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # (layers, heads, tokens, head_size)
+        delta = torch.cat(shifts)
+        # the pieces are contiguous from op.start (the scheduler plans them so): one slot lookup
+        slots = slots_of(list(op.block_ids), bs, good[0].dst, good[-1].dst + good[-1].n)
+        assert len(slots) == delta.numel(), "load pieces must be contiguous"
+        rotate = bool(delta.any())
+        for li, (_, cache) in enumerate(self._caches):
+            kl = self._rotate(k[li], delta, li) if rotate else k[li]
+            self._paged.write(cache, slots, kl, v[li])
+        n = int(delta.numel())
+        self.counters.add("loaded_tokens", n)
+        if rotate:
+            self.counters.add("span_tokens", int((delta != 0).sum()))
+
+    def _read_entry(self, piece: Piece, entry: Entry | None | Exception) -> tuple[torch.Tensor, torch.Tensor]:
+        """The piece's K and V, (layers, heads, n, head_size) each, checked against what was asked."""
+        if isinstance(entry, Exception):
+            raise _Unloadable(f"store error: {entry}")
+        if entry is None:
+            raise _Unloadable("entry gone or failed its checks")
+        g = self.geometry
+        if entry.meta.layout != g.layout():
+            raise _Unloadable(f"entry layout {entry.meta.layout!r} is not this server's")
+        k, v, ids = entry.tensors.get("k"), entry.tensors.get("v"), entry.tensors.get("ids")
+        want = (g.num_layers, g.num_kv_heads, piece.key.num_tokens, g.head_size)
+        if k is None or v is None or ids is None or tuple(k.shape) != want or tuple(v.shape) != want:
+            raise _Unloadable(f"entry shapes do not match {want}")
+        if tuple(ids[piece.src : piece.src + piece.n].tolist()) != piece.ids:
+            raise _Unloadable("entry token ids differ from the request's")
+        sl = slice(piece.src, piece.src + piece.n)
+        return k[:, :, sl], v[:, :, sl]  # torch.cat copies them out of the entry's buffer
+
+    def _rotate(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.rope is None:
+            raise _Unloadable("no RoPE geometry for this model")
+        if self._rotator is None:
+            from contextkit.kernels.rerotate import Rerotator
+
+            self._rotator = Rerotator()
+        return self._rotator(k, delta, self.rope[layer], out=k)
+
+    def wait_for_save(self, meta: object) -> None:
+        """Hand the step's saves to the save queue (after every layer ran)."""
+        if self._paged is None or not isinstance(meta, ConnectorMeta) or not meta.saves:
+            return
+        self._saves.submit(meta.saves, caches=self._caches, paged=self._paged)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> ConnectorStats | None:
+        return self.counters.take()
+
+    def shutdown(self) -> None:
+        if self._saves is not None:
+            self._saves.close()
+
+
+class _Unloadable(Exception):
+    """An entry that must not be loaded (the reason is the message)."""
