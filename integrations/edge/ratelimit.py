@@ -16,9 +16,10 @@ decorators for a check that must happen inside our own ASGI handlers.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from cachetools import LRUCache
 
 from contextkit.core.errors import ConfigError, RateLimitError
 from contextkit.core.tenancy import Tenant
@@ -72,7 +73,8 @@ class RateLimiter:
     def __init__(self, limit: RateLimit, clock: Callable[[], float] = time.monotonic):
         self.limit = limit
         self._clock = clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (tokens, when)
+        # tenant -> (tokens, when); past max_tenants the least recently checked bucket is dropped
+        self._buckets: LRUCache[str, tuple[float, float]] = LRUCache(limit.max_tenants)
         self.refused = 0
 
     def check(self, tenant: Tenant) -> None:
@@ -92,5 +94,3 @@ class RateLimiter:
                 f"({lim.size:g} at once); retry after {wait:.2f} s or ask the operator for a higher limit",
                 retry_after_s=wait)
         self._buckets[tenant.name] = (tokens - 1.0, now)
-        if len(self._buckets) > lim.max_tenants:
-            self._buckets.popitem(last=False)

@@ -25,9 +25,10 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
+from cachetools import LRUCache
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
@@ -128,8 +129,7 @@ class SpanCompiler:
                               f"{max_backlog} and max_per_tenant {per_tenant} must all be >= 1")
         self._post = post
         self._concurrency = concurrency
-        self._known: OrderedDict[tuple[str, str, str], None] = OrderedDict()
-        self._remember = remember
+        self._known: LRUCache[tuple[str, str, str], None] = LRUCache(remember)  # compiled spans (LRU)
         self.max_backlog, self.max_per_tenant = max_backlog, per_tenant
         self._backlog: deque[_Compile] = deque()
         self._per_tenant: Counter[str] = Counter()  # key tenant (or salt) -> its compiles queued or running
@@ -169,7 +169,7 @@ class SpanCompiler:
         for ids in spans:
             key = self._key(url, salt, ids)
             if key in self._known:
-                self._known.move_to_end(key)
+                self._known[key]  # a read marks it just used
                 continue
             if len(self._backlog) >= self.max_backlog:
                 self.dropped.labels("backlog_full").inc()
@@ -177,9 +177,7 @@ class SpanCompiler:
             if self._per_tenant[owner] >= self.max_per_tenant:
                 self.dropped.labels("tenant_share").inc()
                 continue
-            self._known[key] = None
-            while len(self._known) > self._remember:
-                self._known.popitem(last=False)
+            self._known[key] = None  # past ``remember``, the least recently named span is forgotten
             body = {"prompt": list(ids), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
                     "kv_transfer_params": {"contextkit": {"mode": "span"}}}
             if model:
