@@ -36,12 +36,11 @@ frameworks), ``answer_agreement_f1``, ``adapter_overhead_ms_p50``, and the sessi
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-import os
 import random
-import sys
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, token_f1
@@ -114,20 +113,179 @@ def llm_extra(answer):
     return CompletionResponse(text=answer.text, additional_kwargs=_extra(answer))
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from langchain_core.messages import HumanMessage, SystemMessage
-    from langchain_openai import ChatOpenAI
-    from llama_index.core.llms import ChatMessage
-    from llama_index.llms.openai_like import OpenAILike
+def _ours(c) -> bool:
+    """The chunk our chat model ends with (LangChain may add an empty one after it)."""
+    return "total_ms" in (c.response_metadata or {})
 
-    from contextkit.core.models import prepare
-    from contextkit.integrations.frameworks.langchain import ChatContextKit, EvidenceRetriever
-    from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
-    from contextkit.integrations.frameworks.llamaindex import EvidenceRetriever as NodeRetriever
-    from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, served_model
-    from contextkit.kit import ContextKit
+
+def _lc_text(c) -> str:
+    return c.content if isinstance(c.content, str) else ""
+
+
+@dataclass(frozen=True)
+class _Clients:
+    """Every pipeline's client, built once per run, each under its own cache namespace."""
+
+    lc_plain: Any
+    lc_ck: Any
+    lc_ret: Any
+    li_plain: Any
+    li_ck: Any
+    kv_full: Any
+    kv_reuse: Any
+
+    @classmethod
+    def build(cls, upstream: str, proxy: str, model: str, local, salt: dict[str, str], max_tokens: int) -> _Clients:
+        from langchain_openai import ChatOpenAI
+        from llama_index.llms.openai_like import OpenAILike
+
+        from contextkit.integrations.frameworks.langchain import ChatContextKit
+        from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
+
+        return cls(
+            lc_plain=ChatOpenAI(base_url=upstream + "/v1", api_key="none", model=model, max_tokens=max_tokens,
+                                temperature=0, max_retries=0, extra_body={"cache_salt": salt["langchain without"]}),
+            lc_ck=ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with"]),
+            lc_ret=ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with (retrieval order)"]),
+            li_plain=OpenAILike(api_base=upstream + "/v1", api_key="none", model=model, is_chat_model=True,
+                                context_window=8192, max_tokens=max_tokens, temperature=0, max_retries=0,
+                                additional_kwargs={"extra_body": {"cache_salt": salt["llamaindex without"]}}),
+            li_ck=ContextKitLLM(base_url=proxy, max_tokens=max_tokens, tenant=salt["llamaindex with"]),
+            kv_full=ChatContextKit(client=local, max_tokens=max_tokens, reuse=False,
+                                   tenant=salt["kv without (full prefill)"]),
+            kv_reuse=ChatContextKit(client=local, max_tokens=max_tokens, tenant=salt["kv with (span reuse)"]),
+        )
+
+    def warm_up(self) -> None:
+        """Each client's first call, not measured (connections, the proxy's first tokenizer use)."""
+        warm = [Evidence("A warm-up passage.", "warm-up")]
+        self.lc_plain.invoke("Say hi.")
+        self.li_plain.complete("Say hi.")
+        for llm in (self.lc_ck, self.lc_ret, self.kv_full, self.kv_reuse):
+            llm.invoke("Say hi.", documents=warm)
+        self.li_ck.complete("Say hi.", documents=warm)
+
+
+def _run_one(c: _Clients, name: str, req) -> dict:
+    """One request through the pipeline ``name``: TTFT, answer text, and what our adapter reported."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from llama_index.core.llms import ChatMessage
+
+    from contextkit.integrations.frameworks.langchain import EvidenceRetriever
+    from contextkit.integrations.frameworks.llamaindex import (
+        EvidenceRetriever as NodeRetriever,
+    )
+
+    docs, system = req.documents, DEFAULT_SYSTEM
+    evidence = [Evidence(d.text, d.id, d.title) for d in docs]
+    if name.startswith("llamaindex"):
+        retrieved = NodeRetriever(lambda q: evidence).retrieve(req.question)
+    else:  # LangChain's retriever for the LangChain and the KV-path pipelines
+        retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
+    out: dict = {}
+    if name == "langchain without":
+        ttft, text, _ = _timed_stream(c.lc_plain.stream([SystemMessage(system), HumanMessage(_stuffed(req.question, docs))]),
+                                      _lc_text)
+    elif name.startswith("langchain with"):
+        kw = {"ordering": "retrieval"} if "retrieval order" in name else {}
+        llm = c.lc_ck if not kw else c.lc_ret
+        ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved, **kw), _lc_text, _ours)
+        out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
+    elif name == "llamaindex without":
+        msgs = [ChatMessage(role="system", content=system), ChatMessage(role="user", content=_stuffed(req.question, docs))]
+        ttft, text, _ = _timed_stream(c.li_plain.stream_chat(msgs), lambda ch: ch.delta)
+    elif name == "llamaindex with":
+        ttft, text, (last, total) = _timed_stream(c.li_ck.stream_complete(req.question, documents=retrieved),
+                                                  lambda ch: ch.delta)
+        meta = last.additional_kwargs
+        out = {"meta": {"contextkit": meta["contextkit"]}, "overhead": total - meta["total_ms"]}
+    else:
+        llm = c.kv_full if "without" in name else c.kv_reuse
+        ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved), _lc_text, _ours)
+        out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
+    if name in ("langchain with", "llamaindex with", "kv with (span reuse)"):
+        adapter = {"langchain with": c.lc_ck, "llamaindex with": c.li_ck, "kv with (span reuse)": c.kv_reuse}[name]
+        out["adapter"] = _adapter_ms(name, req.question, retrieved, adapter)
+    return {"ttft": ttft, "text": text, **out}
+
+
+def _record(per: dict[str, dict[str, list]], got: dict[str, dict], req) -> None:
+    """One request's results into each pipeline's series."""
+    for name, r in got.items():
+        m = per[name]
+        m.setdefault("ttft", []).append(r["ttft"])
+        m.setdefault("f1", []).append(answer_f1(r["text"], req.answers))
+        ref = got[BASELINE.get(name, name)]
+        m.setdefault("agree", []).append(token_f1(r["text"], ref["text"]))
+        if "overhead" in r:
+            m.setdefault("overhead", []).append(r["overhead"])
+        if "adapter" in r:
+            m.setdefault("adapter", []).append(r["adapter"])
+        ck = (r.get("meta") or {}).get("contextkit")
+        if ck:
+            m.setdefault("prompt", []).append(ck["prompt_tokens"])
+            m.setdefault("cached", []).append(ck["cached_tokens"])
+
+
+def _session_turn(sdk, sessions: dict[str, object], sess: dict[str, list], req, max_tokens: int, run_id: str) -> None:
+    """The request as the next turn of its trace session, an SDK session through the proxy."""
+    docs = [Evidence(d.text, d.id, d.title) for d in req.documents]
+    s = sessions.get(req.session)
+    for attempt in range(2):
+        if s is None:
+            s = sessions[req.session] = sdk.session(max_tokens=max_tokens, tenant=f"bench-{run_id}-s-{req.tenant}")
+        stream = s.stream(req.question, docs)
+        t0, first = time.perf_counter(), None
+        try:
+            for delta in stream:
+                first = first if first is not None or not delta else (time.perf_counter() - t0) * 1e3
+            break
+        except PromptTooLongError:  # the conversation outgrew the context: a new session,
+            sess.setdefault("restarts", []).append(len(s.steps))  # as a user would start one
+            s = None
+    a = stream.answer
+    sess.setdefault("ttft", []).append(first if first is not None else a.total_ms)
+    sess.setdefault("sent", []).append(len(req.documents) - len(a.report.skipped_documents))
+    sess.setdefault("docs", []).append(len(req.documents))
+    sess.setdefault("prompt", []).append(a.report.prompt_tokens)
+    sess.setdefault("cached", []).append(a.report.cached_tokens)
+    sess.setdefault("f1", []).append(answer_f1(a.text, req.answers))
+    sess.setdefault("turn", []).append(len(s.steps))
+
+
+def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str, kit, per, sess) -> None:
+    """Every request through every pipeline (rotating order), then as a session turn."""
+    from contextkit.integrations.launchers.vllm_server import served_model
     from contextkit.sdk import connect
+
+    max_tokens, sessions_on = ctx.option("max_tokens", 16, int), bool(ctx.option("sessions", 1, int))
+    run_id = uuid.uuid4().hex[:8]
+    salt = {p: f"bench-{run_id}-{i}" for i, p in enumerate(PIPELINES)}
+    clients = _Clients.build(upstream, proxy, served_model(upstream), connect(kit=kit), salt, max_tokens)
+    tick("warm-up")
+    clients.warm_up()
+    sessions: dict[str, object] = {}
+    with connect(proxy) as sdk:
+        for i, req in enumerate(requests):
+            got = {}
+            names = PIPELINES[i % len(PIPELINES):] + PIPELINES[: i % len(PIPELINES)]
+            for name in names:
+                tick(f"{name} r{i}")
+                got[name] = _run_one(clients, name, req)
+            _record(per, got, req)
+            if sessions_on:  # the trace's sessions as SDK sessions through the proxy
+                tick(f"session r{i}")
+                _session_turn(sdk, sessions, sess, req, max_tokens, run_id)
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.core.models import prepare
+    from contextkit.integrations.launchers.servers import proxy_process
+    from contextkit.integrations.launchers.vllm_server import (
+        VLLMServer,
+        VLLMServerConfig,
+    )
+    from contextkit.kit import ContextKit
 
     k, max_tokens, block = ctx.option("k", 10, int), ctx.option("max_tokens", 16, int), ctx.option("block_size", 32, int)
     sessions_on = bool(ctx.option("sessions", 1, int))
@@ -139,7 +297,6 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
     upstream = ctx.option("upstream", "")
     server = proxy_proc = kit = None
     per: dict[str, dict[str, list]] = {p: {} for p in PIPELINES}
@@ -151,127 +308,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, max_model_len=8192,
                                                  log_file=logs / "bench-pipelines-vllm.log")).start()
             upstream = server.url
-        model = served_model(upstream)
-        port = free_port()
-        env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-        proxy = f"http://127.0.0.1:{port}"
-        proxy_proc = ManagedProcess(  # the proxy as deployed: its own process
-            "contextkit proxy",
-            [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
-             "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"],
-            partial(health, proxy), env=env, log_file=logs / "bench-pipelines-proxy.log", startup_timeout_s=120,
+        proxy_proc = proxy_process(  # the proxy as deployed: its own process
+            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+            log_file=logs / "bench-pipelines-proxy.log", args=["--block-size", str(block), "--allow-client-tenant"],
         ).start()
         tick("servers up")
         kit = ContextKit(ctx.config)
-        local = connect(kit=kit)
-        salt = {p: f"bench-{run_id}-{i}" for i, p in enumerate(PIPELINES)}
-        system = DEFAULT_SYSTEM
-
-        lc_plain = ChatOpenAI(base_url=upstream + "/v1", api_key="none", model=model, max_tokens=max_tokens,
-                              temperature=0, max_retries=0, extra_body={"cache_salt": salt["langchain without"]})
-        lc_ck = ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with"])
-        lc_ret = ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with (retrieval order)"])
-        li_plain = OpenAILike(api_base=upstream + "/v1", api_key="none", model=model, is_chat_model=True,
-                              context_window=8192, max_tokens=max_tokens, temperature=0, max_retries=0,
-                              additional_kwargs={"extra_body": {"cache_salt": salt["llamaindex without"]}})
-        li_ck = ContextKitLLM(base_url=proxy, max_tokens=max_tokens, tenant=salt["llamaindex with"])
-        kv_full = ChatContextKit(client=local, max_tokens=max_tokens, reuse=False, tenant=salt["kv without (full prefill)"])
-        kv_reuse = ChatContextKit(client=local, max_tokens=max_tokens, tenant=salt["kv with (span reuse)"])
-
-        def ours(c):  # the chunk our chat model ends with (LangChain may add an empty one after it)
-            return "total_ms" in (c.response_metadata or {})
-
-        def lc_text(c):
-            return c.content if isinstance(c.content, str) else ""
-
-        def run_one(name: str, req) -> dict:
-            docs = req.documents
-            evidence = [Evidence(d.text, d.id, d.title) for d in docs]
-            if name.startswith("llamaindex"):
-                retrieved = NodeRetriever(lambda q: evidence).retrieve(req.question)
-            else:  # LangChain's retriever for the LangChain and the KV-path pipelines
-                retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
-            out: dict = {}
-            if name == "langchain without":
-                ttft, text, _ = _timed_stream(lc_plain.stream([SystemMessage(system), HumanMessage(_stuffed(req.question, docs))]), lc_text)
-            elif name.startswith("langchain with"):
-                kw = {"ordering": "retrieval"} if "retrieval order" in name else {}
-                llm = lc_ck if not kw else lc_ret
-                ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved, **kw), lc_text,
-                                                          ours)
-                out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
-            elif name == "llamaindex without":
-                msgs = [ChatMessage(role="system", content=system), ChatMessage(role="user", content=_stuffed(req.question, docs))]
-                ttft, text, _ = _timed_stream(li_plain.stream_chat(msgs), lambda c: c.delta)
-            elif name == "llamaindex with":
-                ttft, text, (last, total) = _timed_stream(li_ck.stream_complete(req.question, documents=retrieved),
-                                                          lambda c: c.delta)
-                meta = last.additional_kwargs
-                out = {"meta": {"contextkit": meta["contextkit"]}, "overhead": total - meta["total_ms"]}
-            else:
-                llm = kv_full if "without" in name else kv_reuse
-                ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved), lc_text, ours)
-                out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
-            if name in ("langchain with", "llamaindex with", "kv with (span reuse)"):
-                adapter = {"langchain with": lc_ck, "llamaindex with": li_ck, "kv with (span reuse)": kv_reuse}[name]
-                out["adapter"] = _adapter_ms(name, req.question, retrieved, adapter)
-            return {"ttft": ttft, "text": text, **out}
-
-        # warm-up, not measured: each client's first call (connections, the proxy's first tokenizer use)
-        warm = [Evidence("A warm-up passage.", "warm-up")]
-        tick("warm-up")
-        lc_plain.invoke("Say hi.")
-        li_plain.complete("Say hi.")
-        for llm in (lc_ck, lc_ret, kv_full, kv_reuse):
-            llm.invoke("Say hi.", documents=warm)
-        li_ck.complete("Say hi.", documents=warm)
-        sessions: dict[str, object] = {}
-        with connect(proxy) as sdk:
-            for i, req in enumerate(requests):
-                got = {}
-                names = PIPELINES[i % len(PIPELINES):] + PIPELINES[: i % len(PIPELINES)]
-                for name in names:
-                    tick(f"{name} r{i}")
-                    got[name] = run_one(name, req)
-                for name, r in got.items():
-                    m = per[name]
-                    m.setdefault("ttft", []).append(r["ttft"])
-                    m.setdefault("f1", []).append(answer_f1(r["text"], req.answers))
-                    ref = got[BASELINE.get(name, name)]
-                    m.setdefault("agree", []).append(token_f1(r["text"], ref["text"]))
-                    if "overhead" in r:
-                        m.setdefault("overhead", []).append(r["overhead"])
-                    if "adapter" in r:
-                        m.setdefault("adapter", []).append(r["adapter"])
-                    ck = (r.get("meta") or {}).get("contextkit")
-                    if ck:
-                        m.setdefault("prompt", []).append(ck["prompt_tokens"])
-                        m.setdefault("cached", []).append(ck["cached_tokens"])
-                if sessions_on:  # the trace's sessions as SDK sessions through the proxy
-                    tick(f"session r{i}")
-                    docs = [Evidence(d.text, d.id, d.title) for d in req.documents]
-                    s = sessions.get(req.session)
-                    for attempt in range(2):
-                        if s is None:
-                            s = sessions[req.session] = sdk.session(max_tokens=max_tokens,
-                                                                    tenant=f"bench-{run_id}-s-{req.tenant}")
-                        stream = s.stream(req.question, docs)
-                        t0, first = time.perf_counter(), None
-                        try:
-                            for delta in stream:
-                                first = first if first is not None or not delta else (time.perf_counter() - t0) * 1e3
-                            break
-                        except PromptTooLongError:  # the conversation outgrew the context: a new session,
-                            sess.setdefault("restarts", []).append(len(s.steps))  # as a user would start one
-                            s = None
-                    a = stream.answer
-                    sess.setdefault("ttft", []).append(first if first is not None else a.total_ms)
-                    sess.setdefault("sent", []).append(len(req.documents) - len(a.report.skipped_documents))
-                    sess.setdefault("docs", []).append(len(req.documents))
-                    sess.setdefault("prompt", []).append(a.report.prompt_tokens)
-                    sess.setdefault("cached", []).append(a.report.cached_tokens)
-                    sess.setdefault("f1", []).append(answer_f1(a.text, req.answers))
-                    sess.setdefault("turn", []).append(len(s.steps))
+        _measure(ctx, tick, requests, upstream, proxy_proc.url, kit, per, sess)
     finally:
         if kit is not None:
             kit.close()
@@ -279,7 +322,18 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             proxy_proc.stop(30)
         if server is not None:
             server.stop()
+    rows = _rows(per)
+    summary = _summary(per, {r["pipeline"]: r for r in rows}, ctx.seed, len(requests))
+    if sess:
+        rows.append(_session_row(sess))
+        summary.update(_session_summary(sess, rows[-1]))
+    config = {"k": k, "max_tokens": max_tokens, "block_size": block, "requests": len(requests),
+              "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),
+              "sessions": sessions_on}
+    return BenchResult("pipelines", config, rows, summary)
 
+
+def _rows(per: dict[str, dict[str, list]]) -> list[dict]:
     rows = []
     for name, m in per.items():
         row = {"pipeline": name, "requests": len(m["ttft"]), "ttft_ms_p50": round(median(m["ttft"]), 1),
@@ -295,8 +349,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             row["adapter_code_ms_p50"] = round(median(m["adapter"]), 4)
         row["default"] = name in ("langchain with", "llamaindex with", "kv with (span reuse)")
         rows.append(row)
-    by = {r["pipeline"]: r for r in rows}
+    return rows
 
+
+def _summary(per: dict[str, dict[str, list]], by: dict[str, dict], seed: int, requests: int) -> dict:
     def reduction(a: str, b: str) -> float:
         return round(1 - by[b]["ttft_ms_p50"] / by[a]["ttft_ms_p50"], 4)
 
@@ -304,10 +360,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 + (by["llamaindex with"]["answer_f1"] - by["llamaindex without"]["answer_f1"])) / 2
     paired = [100 * ((a - b) + (c - d)) / 2 for a, b, c, d in zip(per["langchain with"]["f1"], per["langchain without"]["f1"],
                                                                per["llamaindex with"]["f1"], per["llamaindex without"]["f1"])]
-    lo, hi = bootstrap_ci(paired, ctx.seed)
+    lo, hi = bootstrap_ci(paired, seed)
     overhead = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("adapter", [])]
     framework = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("overhead", [])]
-    summary = {
+    return {
         "langchain_ttft_reduction": reduction("langchain without", "langchain with"),
         "llamaindex_ttft_reduction": reduction("llamaindex without", "llamaindex with"),
         "kv_path_ttft_reduction": reduction("kv without (full prefill)", "kv with (span reuse)"),
@@ -322,25 +378,26 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "kv_path_answer_agreement_f1": by["kv with (span reuse)"]["answer_agreement_f1"],
         "adapter_overhead_ms_p50": round(median(overhead), 4) if overhead else None,
         "framework_overhead_ms_p50": round(median(framework), 3) if framework else None,
-        "requests": len(requests),
+        "requests": requests,
     }
-    if sess:
-        later = [i for i, t in enumerate(sess["turn"]) if t > 1]
-        rows.append({"pipeline": "sdk session (proxy)", "requests": len(sess["ttft"]),
-                     "ttft_ms_p50": round(median(sess["ttft"]), 1), "ttft_ms_p90": round(percentile(sess["ttft"], 90), 1),
-                     "answer_f1": round(100 * sum(sess["f1"]) / len(sess["f1"]), 2),
-                     "prompt_tokens_p50": median(sess["prompt"]),
-                     "cached_share": round(sum(sess["cached"]) / max(1, sum(sess["prompt"])), 3),
-                     "documents_sent_share": round(sum(sess["sent"]) / max(1, sum(sess["docs"])), 3),
-                     "default": False})
-        summary.update(
-            session_documents_sent_share=rows[-1]["documents_sent_share"],
-            session_cached_share=rows[-1]["cached_share"],
-            session_followup_ttft_ms_p50=round(median([sess["ttft"][i] for i in later]), 1) if later else None,
-            session_followups=len(later),
-            session_restarts=len(sess.get("restarts", [])),
-        )
-    config = {"k": k, "max_tokens": max_tokens, "block_size": block, "requests": len(requests),
-              "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),
-              "sessions": sessions_on}
-    return BenchResult("pipelines", config, rows, summary)
+
+
+def _session_row(sess: dict[str, list]) -> dict:
+    return {"pipeline": "sdk session (proxy)", "requests": len(sess["ttft"]),
+            "ttft_ms_p50": round(median(sess["ttft"]), 1), "ttft_ms_p90": round(percentile(sess["ttft"], 90), 1),
+            "answer_f1": round(100 * sum(sess["f1"]) / len(sess["f1"]), 2),
+            "prompt_tokens_p50": median(sess["prompt"]),
+            "cached_share": round(sum(sess["cached"]) / max(1, sum(sess["prompt"])), 3),
+            "documents_sent_share": round(sum(sess["sent"]) / max(1, sum(sess["docs"])), 3),
+            "default": False}
+
+
+def _session_summary(sess: dict[str, list], row: dict) -> dict:
+    later = [i for i, t in enumerate(sess["turn"]) if t > 1]
+    return {
+        "session_documents_sent_share": row["documents_sent_share"],
+        "session_cached_share": row["cached_share"],
+        "session_followup_ttft_ms_p50": round(median([sess["ttft"][i] for i in later]), 1) if later else None,
+        "session_followups": len(later),
+        "session_restarts": len(sess.get("restarts", [])),
+    }

@@ -41,43 +41,38 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 import uuid
-from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-import psutil
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.bench.host import cpu_s, rss_kb, split_cpus
 from contextkit.bench.ordering import TraceRenderer, load_stream
+from contextkit.bench.stream_client import stream_async
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.launchers.process import ManagedProcess, health
-from contextkit.integrations.launchers.vllm_server import (
-    VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
-)  # fmt: skip
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
+from contextkit.integrations.launchers.servers import proxy_process
+from contextkit.integrations.launchers.vllm_server import (
+    VLLMServer,
+    VLLMServerConfig,
+    reset_prefix_cache,
+    served_model,
+)
 
 
 async def _ttft(session: aiohttp.ClientSession, url: str, body: dict, rid: str | None = None) -> tuple[float, bool]:
-    """(ms to the first content chunk, ok) of one streaming request; ``rid`` goes out as ``x-request-id``
+    """(ms to the first content delta, ok) of one streaming request; ``rid`` goes out as ``x-request-id``
     (the proxy logs its own timings under it)."""
     t0 = time.perf_counter()
     try:
-        async with session.post(url, json=body, headers={"x-request-id": rid} if rid else None) as r:
-            if r.status != 200:
-                await r.read()
-                return (time.perf_counter() - t0) * 1e3, False
-            first = None
-            async for line in r.content:
-                if first is None and line.startswith(b"data:") and b'"choices":[{' in line.replace(b" ", b""):
-                    first = time.perf_counter()
-            return ((first or time.perf_counter()) - t0) * 1e3, True
+        s = await stream_async(session, url, body, {"x-request-id": rid} if rid else None)
     except (aiohttp.ClientError, TimeoutError):
         return (time.perf_counter() - t0) * 1e3, False
+    return s.ttft_ms, s.status == 200
 
 
 def _session(connections: int) -> aiohttp.ClientSession:
@@ -85,16 +80,6 @@ def _session(connections: int) -> aiohttp.ClientSession:
     # the load generator itself a CPU hog competing with what it measures
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
                                  timeout=aiohttp.ClientTimeout(total=600))
-
-
-def _rss_kb(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss // 1024
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used."""
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
 
 
 def _proxy_timings(log: Path, offset: int, want: set[str], wait_s: float = 5.0) -> dict[str, dict]:
@@ -264,10 +249,10 @@ async def _soak(proxy: str, model: str, questions: list[str], seconds: float, pi
 
         async def sampler() -> None:
             await asyncio.sleep(seconds * 0.1)
-            rss["start"] = _rss_kb(pid)
+            rss["start"] = rss_kb(pid)
             while time.monotonic() < deadline:
                 await asyncio.sleep(1)
-            rss["end"] = _rss_kb(pid)
+            rss["end"] = rss_kb(pid)
 
         await asyncio.gather(sampler(), *(worker(w) for w in range(64)))
     return ok, errors, rss
@@ -291,26 +276,6 @@ async def _docs(direct: str, proxy: str, model: str, requests, renderer, max_tok
                     "contextkit": {"tenant": req.tenant}}
             rows["proxy"].append(await _ttft(session, proxy + "/v1/chat/completions", body))
     return rows
-
-
-def _split_cpus(pin: bool, proxy_cpus: str, starting_engine: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(engine cores, proxy + load generator cores); () = not pinned. When the bench starts vLLM on a
-    machine with >= 2 cores, the engine gets all but the last and the proxy and the load generator the
-    last, as a proxy in front of a GPU server has a core of its own (on a CPU engine sharing all cores,
-    the TTFT difference measures a fight for CPU, not the proxy). ``--set pin=0`` shares all cores;
-    ``--set proxy_cpus=3`` names the proxy's cores (the engine, if the bench starts it, gets the rest)."""
-    have = sorted(os.sched_getaffinity(0))
-    if not pin or len(have) < 2:
-        return (), ()
-    if proxy_cpus:
-        try:
-            mine = tuple(int(c) for c in proxy_cpus.split(","))
-        except ValueError:
-            raise ConfigError(f"--set proxy_cpus takes a comma list of core numbers, got {proxy_cpus!r}") from None
-        if not set(mine) < set(have):
-            raise ConfigError(f"--set proxy_cpus={proxy_cpus}: must be a proper subset of the cores {have}")
-        return (tuple(c for c in have if c not in mine) if starting_engine else ()), mine
-    return (tuple(have[:-1]), (have[-1],)) if starting_engine else ((), ())
 
 
 def _overhead_row(label: str, conc: int, pairs, errs: int, by_id: dict, timings: dict, cpu_ms: float | None) -> dict:
@@ -345,8 +310,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
-    engine_cpus, proxy_cpus = _split_cpus(bool(ctx.option("pin", 1, int)), ctx.option("proxy_cpus", ""),
-                                          starting_engine=not upstream)
+    engine_cpus, proxy_cpus = split_cpus(bool(ctx.option("pin", 1, int)), ctx.option("proxy_cpus", ""),
+                                         starting_engine=not upstream)
     server = proxy_proc = None
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -361,20 +326,15 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                                                  log_file=logs / "bench-proxy-vllm.log")).start()
             upstream = server.url
         model = served_model(upstream)
-        port = free_port()
-        pin = ["taskset", "-c", ",".join(map(str, proxy_cpus))] if proxy_cpus else []
-        exe = [*pin, sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
-               "--block-size", str(block), "--model", ctx.config.model,
-               "--allow-client-tenant"]  # the trace's tenants are named by the client: an open proxy on loopback
-        env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-        proxy = f"http://127.0.0.1:{port}"
-        proxy_proc = ManagedProcess("contextkit proxy", exe, partial(health, proxy), env=env, log_file=proxy_log,
-                                    startup_timeout_s=120)
+        proxy_proc = proxy_process(  # the trace's tenants are named by the client: an open proxy on loopback
+            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=proxy_log,
+            args=["--block-size", str(block), "--allow-client-tenant"], cpus=proxy_cpus)
+        proxy = proxy_proc.url
         proxy_proc.launch()
         if proxy_cpus:
             os.sched_setaffinity(0, proxy_cpus)  # the load generator shares the proxy's core, not the engine's
         proxy_proc.wait()
-        proxy_pid = proxy_proc.proc.pid
+        proxy_pid = proxy_proc.pid
         questions = [r.question for r in requests]
         questions = (questions * (per_level // max(1, len(questions)) + 1))[:per_level]
         tick(total=len(levels) + repeats + 1 + bool(control))
@@ -382,9 +342,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         client = LoadGenerator(client_nice)  # after the affinity change: it inherits the proxy's core
         tops = []
         for conc in levels + [levels[-1]] * (repeats - 1):
-            offset, cpu0 = proxy_log.stat().st_size, _cpu_s(proxy_pid)
+            offset, cpu0 = proxy_log.stat().st_size, cpu_s(proxy_pid)
             pairs, errs, by_id = client.overhead(upstream, proxy, model, questions, conc, max_tokens)
-            cpu_ms = round((_cpu_s(proxy_pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
+            cpu_ms = round((cpu_s(proxy_pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
             errors += errs
             if not pairs:
                 raise ConfigError(f"no request succeeded at concurrency {conc}; see {logs}")

@@ -59,31 +59,29 @@ or reported skills differ from the local rendering: 0 unless the one-planner inv
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
-import time
 import uuid
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import httpx
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.skills import SHARED_SKILLS, SYSTEM, _cut
+from contextkit.bench.stream_client import CompletionClient, stream
 from contextkit.core.errors import ConfigError, InputError, UpstreamError
 from contextkit.core.models import prepare
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.prompt import render_skill
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Message, Skill, skill_version
-from contextkit.bench.stream_client import CompletionClient
-from contextkit.integrations.launchers.process import ManagedProcess, health
+from contextkit.integrations.launchers.servers import proxy_process
 from contextkit.integrations.launchers.vllm_server import (
-    VLLMServer, VLLMServerConfig, free_port, reset_prefix_cache, served_model,
-)  # fmt: skip
+    VLLMServer,
+    VLLMServerConfig,
+    reset_prefix_cache,
+    served_model,
+)
 
 CANONICAL = "proxy, canonical"
 REQUEST_ORDER = "vLLM direct, request order"
@@ -194,42 +192,12 @@ class Sample:
 
 
 def chat_stream(http: httpx.Client, url: str, body: dict) -> Sample:
-    """One streaming chat through the proxy: TTFT to the first chunk with a token, and the usage and
+    """One streaming chat through the proxy: TTFT (``stream_client``'s rule), and the usage and
     ``contextkit`` extension of its last chunk."""
-    t0 = time.perf_counter()
-    first, usage, ext = None, {}, {}
-    try:
-        with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
-            if r.status_code != 200:
-                r.read()
-                raise UpstreamError(f"{url} answered {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                obj = json.loads(line[5:])
-                if first is None and obj.get("choices"):
-                    first = time.perf_counter()
-                usage, ext = obj.get("usage") or usage, obj.get("contextkit") or ext
-    except httpx.HTTPError as exc:
-        raise UpstreamError(f"request to {url} failed: {exc}") from exc
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is None:
+    s = stream(http, url + "/v1/chat/completions", {**body, "stream": True}, where=url)
+    if s.cached_tokens is None:
         raise UpstreamError("the upstream reports no cached_tokens; start vLLM with --enable-prompt-tokens-details")
-    return Sample(((first or time.perf_counter()) - t0) * 1e3, int(usage["prompt_tokens"]), int(cached),
-                  tuple(ext.get("skills") or ()))
-
-
-def _start_proxy(ctx: BenchContext, upstream: str, block: int, log: Path) -> tuple[ManagedProcess, str]:
-    """``contextkit proxy`` in its own process, open on loopback with client-named tenants (one per arm)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    exe = [sys.executable, "-m", "contextkit.cli", "proxy", "--upstream", upstream, "--port", str(port),
-           "--block-size", str(block), "--model", ctx.config.model, "--allow-client-tenant"]
-    env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
-    proc = ManagedProcess("contextkit proxy", exe, partial(health, url), env=env, log_file=log, startup_timeout_s=120)
-    proc.launch()
-    proc.wait()
-    return proc, url
+    return Sample(s.ttft_ms, int(s.usage["prompt_tokens"]), int(s.cached_tokens), tuple(s.contextkit.get("skills") or ()))
 
 
 def _in_block(cached: int, r: Rendered) -> int:
@@ -301,7 +269,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             upstream = server.url
         model = served_model(upstream)
         tick("starting the proxy", advance=0)
-        proxy_proc, proxy = _start_proxy(ctx, upstream, block, logs / "bench-skillcache-proxy.log")
+        proxy_proc = proxy_process(  # open on loopback with client-named tenants (one per arm)
+            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+            log_file=logs / "bench-skillcache-proxy.log", args=["--block-size", str(block), "--allow-client-tenant"],
+        ).start()
+        proxy = proxy_proc.url
         reset = reset_prefix_cache(upstream)  # a clean KV space when the server allows it (salts separate anyway)
         with CompletionClient(upstream, model, timeout_s=600) as direct, httpx.Client(timeout=600) as http:
             for i, req in enumerate(requests):

@@ -1,19 +1,149 @@
-"""A small client for an OpenAI-compatible completions server (vLLM), built for measuring: it streams,
-records time to first token, and returns the server's own count of prompt tokens served from its prefix
-cache (``usage.prompt_tokens_details.cached_tokens``; vLLM needs ``--enable-prompt-tokens-details``).
+"""The benches' one client for OpenAI-compatible servers (vLLM, ``contextkit proxy``, ``contextkit serve``),
+built for measuring.
+
+One definition of time to first token, whatever the route or transport: request sent -> the first
+streamed chunk whose choice carries generated content (``text`` on ``/v1/completions``, ``delta.content``
+on chat), stamped as its line is read, before it is parsed. ``SSEReader`` holds that rule; ``stream``
+(httpx, sequential benches) and ``stream_async`` (aiohttp, the concurrent load of ``bench proxy`` and
+``bench robustness``) feed it. ``CompletionClient`` is ``/v1/completions`` with token-id prompts, and
+returns the server's own count of prompt tokens served from its prefix cache
+(``usage.prompt_tokens_details.cached_tokens``; vLLM needs ``--enable-prompt-tokens-details``).
+``scrape_metrics`` reads a server's Prometheus text with ``prometheus_client``'s parser.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from contextkit.core.errors import UpstreamError
+
+if TYPE_CHECKING:
+    import aiohttp
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed answer as the client saw it."""
+
+    status: int
+    first_ms: float | None  # request sent -> first content delta; None: none came
+    total_ms: float  # request sent -> end of the stream (or of the error answer)
+    text: str = ""
+    usage: Mapping[str, Any] = field(default_factory=dict)  # the last ``usage`` seen
+    contextkit: Mapping[str, Any] = field(default_factory=dict)  # the last ``contextkit`` extension seen
+    error: str = ""  # an error answer's body, first 300 characters
+
+    @property
+    def ttft_ms(self) -> float:
+        """TTFT, or the whole time when no content came (a stream that ended without a token)."""
+        return self.total_ms if self.first_ms is None else self.first_ms
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+class SSEReader:
+    """Reads one answer's server-sent events and stamps the first content delta (the TTFT rule)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.first: float | None = None
+        self.parts: list[str] = []
+        self.usage: dict = {}
+        self.extension: dict = {}
+        self.done = False
+
+    def feed(self, line: str | bytes) -> None:
+        now = time.perf_counter()  # as the line arrives: parsing it is the client's time, not the server's
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "replace")
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        obj = json.loads(data)
+        for ch in obj.get("choices") or ():
+            text = ch["text"] if "text" in ch else (ch.get("delta") or {}).get("content")
+            if text is None:
+                continue
+            if self.first is None:
+                self.first = now
+            self.parts.append(text)
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        if obj.get("contextkit"):
+            self.extension = obj["contextkit"]
+
+    def result(self, status: int) -> Streamed:
+        end = time.perf_counter()
+        return Streamed(status, None if self.first is None else (self.first - self.t0) * 1e3, (end - self.t0) * 1e3,
+                        "".join(self.parts), self.usage, self.extension)
+
+
+def _error(status: int, t0: float, body: str) -> Streamed:
+    return Streamed(status, None, (time.perf_counter() - t0) * 1e3, error=body[:300])
+
+
+def stream(http: httpx.Client, url: str, body: dict, headers: Mapping[str, str] | None = None, *,
+           where: str | None = None) -> Streamed:
+    """POST ``body`` to the endpoint ``url`` and read the stream; ``UpstreamError`` on an error status or a
+    failed request (naming ``where``, default ``url``)."""
+    where = where or url
+    t0 = time.perf_counter()
+    try:
+        with http.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise UpstreamError(f"{where} answered {resp.status_code}: {resp.text[:300]}")
+            reader = SSEReader(t0)
+            for line in resp.iter_lines():
+                reader.feed(line)
+                if reader.done:
+                    break
+    except httpx.HTTPError as e:
+        raise UpstreamError(f"request to {where} failed: {e}") from e
+    return reader.result(200)
+
+
+async def stream_async(session: aiohttp.ClientSession, url: str, body: dict,
+                       headers: Mapping[str, str] | None = None) -> Streamed:
+    """``stream`` on aiohttp, for many concurrent streams: an error status is returned (``status``,
+    ``error``), not raised; a transport error or timeout is raised as aiohttp raises it."""
+    t0 = time.perf_counter()
+    async with session.post(url, json=body, headers=headers) as r:
+        if r.status != 200:
+            return _error(r.status, t0, (await r.read()).decode("utf-8", "replace"))
+        reader = SSEReader(t0)
+        async for line in r.content:
+            reader.feed(line)
+            if reader.done:
+                break
+        return reader.result(200)
+
+
+def scrape_metrics(url: str, *, labels: Mapping[str, str] | None = None, http: httpx.Client | None = None,
+                   timeout_s: float = 10.0) -> dict[str, float]:
+    """``GET {url}/metrics``: each sample's value (by its name as written: ``..._total``, ``..._bucket``)
+    summed over the label sets that hold every pair of ``labels``."""
+    text = (http.get(url.rstrip("/") + "/metrics") if http is not None
+            else httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)).text
+    want = dict(labels or {})
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if all(s.labels.get(k) == v for k, v in want.items()):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,39 +181,14 @@ class CompletionClient:
             body["stop"] = list(stop)
         if cache_salt:
             body["cache_salt"] = cache_salt
-        t0 = time.perf_counter()
-        first = None
-        parts: list[str] = []
-        usage: dict = {}
-        try:
-            with self._http.stream("POST", self.url + "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    raise UpstreamError(f"{self.url} answered {resp.status_code}: {resp.text[:300]}")
-                for line in resp.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    for ch in obj.get("choices") or ():
-                        if first is None:
-                            first = time.perf_counter()
-                        parts.append(ch.get("text") or "")
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-        except httpx.HTTPError as e:
-            raise UpstreamError(f"request to {self.url} failed: {e}") from e
-        end = time.perf_counter()
-        details = usage.get("prompt_tokens_details") or {}
+        s = stream(self._http, self.url + "/v1/completions", body, where=self.url)
         return Completion(
-            text="".join(parts),
-            ttft_ms=((first or end) - t0) * 1e3,
-            total_ms=(end - t0) * 1e3,
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            cached_tokens=details.get("cached_tokens"),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
+            text=s.text,
+            ttft_ms=s.ttft_ms,
+            total_ms=s.total_ms,
+            prompt_tokens=int(s.usage.get("prompt_tokens", 0)),
+            cached_tokens=s.cached_tokens,
+            completion_tokens=int(s.usage.get("completion_tokens", 0)),
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -94,14 +199,8 @@ class CompletionClient:
         return list(r.json()["tokens"])
 
     def metrics(self) -> dict[str, float]:
-        """The server's Prometheus counters, summed over label sets (name -> value)."""
-        r = self._http.get(self.url + "/metrics")
-        out: dict[str, float] = {}
-        for line in r.text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-        return out
+        """The server's Prometheus samples, summed over label sets (name -> value)."""
+        return scrape_metrics(self.url, http=self._http)
 
     def close(self) -> None:
         self._http.close()

@@ -32,11 +32,7 @@ least as fast), ``serve_ttft_ms_p50``, ``serve_full_ttft_ms_p50``, ``proxy_ttft_
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
-from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,36 +40,24 @@ import httpx
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, token_f1
 from contextkit.bench.ordering import TraceRenderer, load_stream
+from contextkit.bench.stream_client import stream
 from contextkit.bench.workload import TraceRequest
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
-from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
+from contextkit.integrations.launchers.servers import proxy_process, serve_process
+from contextkit.integrations.launchers.vllm_server import (
+    VLLMServer,
+    VLLMServerConfig,
+    reset_prefix_cache,
+    served_model,
+)
 
 
 def _stream(http: httpx.Client, url: str, body: dict) -> dict[str, Any]:
-    """One streaming request: TTFT (ms), the answer text, and the last chunk's extra fields."""
-    t0 = time.perf_counter()
-    first = None
-    parts: list[str] = []
-    extra: dict[str, Any] = {}
-    with http.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            obj = json.loads(line[5:])
-            for ch in obj.get("choices") or ():
-                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                if text:
-                    first = first or time.perf_counter()
-                    parts.append(text)
-            if obj.get("contextkit"):
-                extra = obj["contextkit"]
-    end = time.perf_counter()
-    return {"ttft": ((first or end) - t0) * 1e3, "text": "".join(parts), "contextkit": extra}
+    """One streaming request: TTFT (ms, ``stream_client``'s rule), the answer text, and the last chunk's
+    ``contextkit`` fields."""
+    s = stream(http, url, body)
+    return {"ttft": s.ttft_ms, "text": s.text, "contextkit": dict(s.contextkit)}
 
 
 def _chat(req: TraceRequest, model: str, max_tokens: int, reuse: dict | None = None) -> dict:
@@ -88,18 +72,10 @@ def _chat(req: TraceRequest, model: str, max_tokens: int, reuse: dict | None = N
     return body
 
 
-def _server(name: str, args: list[str], ctx: BenchContext, log_name: str) -> tuple[ManagedProcess, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    exe = [sys.executable, "-m", "contextkit.cli", *args, "--port", str(port)]
-    env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(ctx.config.cache_dir))
+def _logs(ctx: BenchContext) -> Path:
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    proc = ManagedProcess(name, exe, partial(health, url), env=env, log_file=logs / log_name,
-                          startup_timeout_s=300)
-    proc.launch()
-    proc.wait()
-    return proc, url
+    return logs
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -127,9 +103,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                         "cache_salt": req.tenant or "default"}
                 arm.append(_stream(http, vllm_url + "/v1/completions", body))
-            proxy, purl = _server("contextkit proxy", [
-                "proxy", "--upstream", vllm_url, "--block-size", str(block), "--model", ctx.config.model,
-                "--allow-client-tenant"], ctx, "bench-trace-proxy.log")
+            proxy = proxy_process(upstream=vllm_url, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+                                  log_file=_logs(ctx) / "bench-trace-proxy.log",
+                                  args=["--block-size", str(block), "--allow-client-tenant"],
+                                  startup_timeout_s=300).start()
+            purl = proxy.url
             reset_prefix_cache(vllm_url)
             arm = out["proxy + vllm (weaver)"] = []
             for req in requests:
@@ -140,10 +118,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 proxy.stop(30)
             if server is not None:
                 server.stop()
-        serve_args = ["serve", "--model", ctx.config.model, "--dtype", ctx.config.dtype, "--allow-client-tenant",
-                      "--rate-limit", "0"]
+        serve_args = ["--dtype", ctx.config.dtype, "--allow-client-tenant", "--rate-limit", "0"]
+        serve_log = _logs(ctx) / "bench-trace-serve.log"
         if ctx.option("no_idle_arm", 1, int):  # a fresh server: its span cache starts empty again
-            serve, surl = _server("contextkit serve", [*serve_args, "--no-compile-idle"], ctx, "bench-trace-serve.log")
+            serve = serve_process(model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=serve_log,
+                                  args=[*serve_args, "--no-compile-idle"]).start()
+            surl = serve.url
             try:
                 arm = out["serve, no idle compile (--no-compile-idle)"] = []
                 for req in requests:
@@ -151,7 +131,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                     arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
             finally:
                 serve.stop(30)
-        serve, surl = _server("contextkit serve", serve_args, ctx, "bench-trace-serve.log")
+        serve = serve_process(model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=serve_log,
+                              args=serve_args).start()
+        surl = serve.url
         try:
             arm = out["serve, span reuse (default)"] = []
             for req in requests:

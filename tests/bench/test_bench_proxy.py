@@ -39,7 +39,7 @@ def test_bench_proxy_small_run(tmp_path, vllm_url, cli, trace_requests):
 def test_cores_split_between_engine_and_proxy(monkeypatch):
     import os
 
-    from contextkit.bench.proxy import _split_cpus
+    from contextkit.bench.host import split_cpus as _split_cpus
     from contextkit.core.errors import ConfigError
     from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
 
