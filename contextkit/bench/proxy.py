@@ -42,14 +42,14 @@ import json
 import os
 import statistics
 import time
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.host import cpu_s, rss_kb, split_cpus
+from contextkit.bench.loadgen import LoadGenerator
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.stream_client import stream_async
 from contextkit.core.errors import ConfigError
@@ -101,135 +101,6 @@ def _proxy_timings(log: Path, offset: int, want: set[str], wait_s: float = 5.0) 
         if want <= out.keys() or time.monotonic() > deadline:
             return out
         time.sleep(0.1)
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection of the load generator that sends prebuilt streaming requests and
-    stamps the first SSE event with choices in ``data_received``, i.e. as soon as the event loop sees the
-    bytes: a few microseconds per chunk, so 64 streams of the client itself add next to nothing to the
-    TTFT it measures (aiohttp's line reader added ~2 ms at 64 streams on a shared core)."""
-
-    END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked response (a data chunk ends with "\n\n\r\n")
-
-    def __init__(self):
-        self.transport = None
-        self.waiter: asyncio.Future | None = None
-        self.closed = False
-
-    @classmethod
-    async def open(cls, host: str, port: int) -> _Conn:
-        _, conn = await asyncio.get_running_loop().create_connection(cls, host, port)
-        return conn
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    async def request(self, raw: bytes, timeout_s: float = 600.0) -> tuple[float, bool]:
-        """(ms to the first event with choices, ok) of one streaming request; a timeout is an error."""
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.t0, self.first, self.status, self.tail = time.perf_counter(), None, None, b""
-        if self.closed:
-            return 0.0, False
-        self.transport.write(raw)
-        try:
-            return await asyncio.wait_for(self.waiter, timeout_s)
-        except TimeoutError:
-            self.transport.close()
-            return timeout_s * 1e3, False
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        seen = self.tail + data
-        if self.status is None:
-            self.status = seen[9:12]
-        if self.first is None and b'"choices":[{' in seen:
-            self.first = now
-        self.tail = seen[-64:]
-        if self.status != b"200" or seen.endswith(self.END):
-            if self.status != b"200":  # an error answer: give up on this connection
-                self.transport.close()
-            if self.waiter and not self.waiter.done():
-                self.waiter.set_result((((self.first or now) - self.t0) * 1e3, self.status == b"200"))
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        if self.waiter and not self.waiter.done():
-            self.waiter.set_result(((time.perf_counter() - self.t0) * 1e3, False))
-
-
-def _request(host: str, body: dict, rid: str) -> bytes:
-    data = json.dumps(body).encode()
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-            f"x-request-id: {rid}\r\ncontent-length: {len(data)}\r\n\r\n").encode() + data
-
-
-async def _overhead(a: str, b: str, model: str, questions: list[str], conc: int, max_tokens: int):
-    """Each request sent to ``a`` and to ``b`` back to back, alternating which goes first, each with its
-    own ``cache_salt`` so neither warms the other's cache. Returns the (a, b) TTFT pairs, errors, and b's
-    TTFT by request id."""
-    work = list(enumerate(questions))
-    pairs, errors, by_id = [], 0, {}
-    hosts = [urlsplit(u) for u in (a, b)]
-
-    async def worker() -> None:
-        nonlocal errors
-        conns = [await _Conn.open(h.hostname, h.port) for h in hosts]
-        try:
-            while work:
-                i, q = work.pop()
-                body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens,
-                        "temperature": 0, "stream": True}
-                order = (0, 1) if i % 2 else (1, 0)
-                rids = [uuid.uuid4().hex, uuid.uuid4().hex]
-                raws = [_request(hosts[k].netloc, {**body, "cache_salt": uuid.uuid4().hex}, rids[k]) for k in (0, 1)]
-                got = [None, None]
-                for k in order:
-                    for attempt in (0, 1):
-                        # the server closes a keep-alive connection idle for a few seconds (uvicorn: 5 s;
-                        # the other arm's request can take that long at 64 streams): reopen before
-                        # sending, and retry once when it closed as we sent, before any byte came back
-                        if conns[k].closed:
-                            conns[k] = await _Conn.open(hosts[k].hostname, hosts[k].port)
-                        got[k] = await conns[k].request(raws[k])
-                        if got[k][1] or conns[k].status is not None:
-                            break
-                if got[1][1]:
-                    by_id[rids[1]] = got[1][0]
-                if got[0][1] and got[1][1]:
-                    pairs.append((got[0][0], got[1][0]))
-                else:
-                    errors += 1
-        finally:
-            for c in conns:
-                c.transport.close()
-
-    await asyncio.gather(*(worker() for _ in range(conc)))
-    return pairs, errors, by_id
-
-
-def _overhead_run(*args):
-    """``_overhead`` in the load generator's own process (see ``LoadGenerator``)."""
-    return asyncio.run(_overhead(*args))
-
-
-class LoadGenerator:
-    """The client side of the overhead phase in a process of its own at a lower CPU priority (``nice``):
-    sharing the proxy's core, a client at equal priority takes turns with the proxy and its own
-    scheduling delays land in the figure (p99 12-15 ms in runs where the proxy's own time stayed at
-    0.09 ms); niced, the proxy runs first whenever both are ready, so what is left is the proxy's."""
-
-    def __init__(self, nice: int):
-        import concurrent.futures
-        import multiprocessing
-
-        self.pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(nice,))
-
-    def overhead(self, *args):
-        return self.pool.submit(_overhead_run, *args).result()
-
-    def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
 
 
 async def _soak(proxy: str, model: str, questions: list[str], seconds: float, pid: int, max_tokens: int):
@@ -295,6 +166,85 @@ def _overhead_row(label: str, conc: int, pairs, errs: int, by_id: dict, timings:
             "proxy_ms_p50": q(ours, 50), "proxy_ms_p99": q(ours, 99), "proxy_cpu_ms_per_request": cpu_ms}
 
 
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What the phases measure: vLLM directly and the proxy in front of it."""
+
+    upstream: str
+    proxy: str
+    model: str
+    proxy_pid: int
+    proxy_log: Path
+    max_tokens: int
+
+
+def _overhead_phase(ctx: BenchContext, tick: Tick, t: _Target, questions: list[str], rows: list[dict],
+                    summary: dict) -> int:
+    """Direct vs proxied TTFT at each concurrency (the highest ``repeats`` times), then the A/A control;
+    the errors."""
+    levels = [int(c) for c in ctx.option("concurrency", "1,16,64").split(",")]
+    repeats, control = ctx.option("repeats", 3, int), ctx.option("control", 1, int)
+    errors = 0
+    client = LoadGenerator(ctx.option("client_nice", 10, int))  # after the affinity change: on the proxy's core
+    tops = []
+    for conc in levels + [levels[-1]] * (repeats - 1):
+        offset, cpu0 = t.proxy_log.stat().st_size, cpu_s(t.proxy_pid)
+        pairs, errs, by_id = client.overhead(t.upstream, t.proxy, t.model, questions, conc, t.max_tokens)
+        cpu_ms = round((cpu_s(t.proxy_pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
+        errors += errs
+        if not pairs:
+            raise ConfigError(f"no request succeeded at concurrency {conc}; see {t.proxy_log.parent}")
+        rows.append(_overhead_row("overhead", conc, pairs, errs, by_id, _proxy_timings(t.proxy_log, offset, set(by_id)),
+                                  cpu_ms))
+        if conc == levels[-1]:
+            rows[-1]["repeat"] = len(tops) + 1
+            tops.append(rows[-1])
+        tick(f"overhead at {conc}")
+    top = sorted(tops, key=lambda r: r["overhead_ms_p99"] or 0.0)[len(tops) // 2]  # the median run
+    p99s = sorted(r["overhead_ms_p99"] for r in tops if r["overhead_ms_p99"] is not None)
+    summary.update(overhead_ms_p99_runs=[r["overhead_ms_p99"] for r in tops],
+                   overhead_ms_p99_median=p99s[len(p99s) // 2] if p99s else None,
+                   overhead_ms_p99_max=p99s[-1] if p99s else None, overhead_ms_p99_min=p99s[0] if p99s else None)
+    if control:  # the paired estimator on direct vs direct: its spread is the engine's, not the proxy's
+        pairs, errs, _ = client.overhead(t.upstream, t.upstream, t.model, questions, levels[-1], t.max_tokens)
+        rows.append(_overhead_row("A/A control", levels[-1], pairs, errs, {}, {}, None))
+        summary["control_paired_overhead_ms_p99"] = rows[-1]["paired_overhead_ms_p99"]
+        tick("control")
+    client.close()
+    summary.update({k: top[k] for k in ("overhead_ms_p50", "overhead_ms_p99", "paired_overhead_ms_p50",
+                                        "paired_overhead_ms_p99", "proxy_ms_p50", "proxy_ms_p99",
+                                        "proxy_cpu_ms_per_request")},
+                   overhead_at_concurrency=top["concurrency"])
+    return errors
+
+
+def _docs_phase(t: _Target, requests, renderer: TraceRenderer, rows: list[dict], summary: dict) -> int:
+    """The documents trace directly in retrieval order, then through the proxy; the errors."""
+    docs = asyncio.run(_docs(t.upstream, t.proxy, t.model, requests, renderer, t.max_tokens))
+    errors = 0
+    for arm in ("direct", "proxy"):
+        ms = [ms for ms, good in docs[arm] if good]
+        errors += sum(1 for _, good in docs[arm] if not good)
+        rows.append({"phase": "documents", "arm": arm + (" (retrieval order)" if arm == "direct" else " (weaver)"),
+                     "requests": len(ms), "ttft_ms_p50": round(percentile(ms, 50), 2),
+                     "ttft_ms_p90": round(percentile(ms, 90), 2), "default": arm == "proxy"})
+    d50 = statistics.median(ms for ms, g in docs["direct"] if g)
+    p50 = statistics.median(ms for ms, g in docs["proxy"] if g)
+    summary["docs_ttft_reduction_vs_direct"] = round(1 - p50 / d50, 4)
+    return errors
+
+
+def _soak_phase(t: _Target, questions: list[str], soak_s: float, rows: list[dict], summary: dict) -> int:
+    """64 streams through the proxy for ``soak_s``, its RSS sampled; the errors."""
+    ok, errs, rss = asyncio.run(_soak(t.proxy, t.model, questions, soak_s, t.proxy_pid, t.max_tokens))
+    growth = (rss["end"] - rss["start"]) / rss["start"] if rss.get("start") else None
+    rows.append({"phase": "soak", "concurrency": 64, "seconds": soak_s, "requests": ok + errs, "errors": errs,
+                 "rss_mb_start": round(rss.get("start", 0) / 1024, 1), "rss_mb_end": round(rss.get("end", 0) / 1024, 1)})
+    summary.update(soak_s=soak_s, soak_requests=ok + errs, soak_errors=errs,
+                   rss_growth=round(growth, 4) if growth is not None else None)
+    return errs
+
+
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     levels = [int(c) for c in ctx.option("concurrency", "1,16,64").split(",")]
     per_level = ctx.option("requests_per_level", 128, int)
@@ -315,7 +265,6 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     server = proxy_proc = None
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    proxy_log = logs / "bench-proxy.log"
     rows: list[dict] = []
     summary: dict = {}
     affinity = os.sched_getaffinity(0)
@@ -327,67 +276,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             upstream = server.url
         model = served_model(upstream)
         proxy_proc = proxy_process(  # the trace's tenants are named by the client: an open proxy on loopback
-            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=proxy_log,
+            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=logs / "bench-proxy.log",
             args=["--block-size", str(block), "--allow-client-tenant"], cpus=proxy_cpus)
-        proxy = proxy_proc.url
         proxy_proc.launch()
         if proxy_cpus:
             os.sched_setaffinity(0, proxy_cpus)  # the load generator shares the proxy's core, not the engine's
         proxy_proc.wait()
-        proxy_pid = proxy_proc.pid
+        target = _Target(upstream, proxy_proc.url, model, proxy_proc.pid, logs / "bench-proxy.log", max_tokens)
         questions = [r.question for r in requests]
         questions = (questions * (per_level // max(1, len(questions)) + 1))[:per_level]
         tick(total=len(levels) + repeats + 1 + bool(control))
-        errors = 0
-        client = LoadGenerator(client_nice)  # after the affinity change: it inherits the proxy's core
-        tops = []
-        for conc in levels + [levels[-1]] * (repeats - 1):
-            offset, cpu0 = proxy_log.stat().st_size, cpu_s(proxy_pid)
-            pairs, errs, by_id = client.overhead(upstream, proxy, model, questions, conc, max_tokens)
-            cpu_ms = round((cpu_s(proxy_pid) - cpu0) * 1e3 / max(1, len(by_id)), 3)
-            errors += errs
-            if not pairs:
-                raise ConfigError(f"no request succeeded at concurrency {conc}; see {logs}")
-            rows.append(_overhead_row("overhead", conc, pairs, errs, by_id, _proxy_timings(proxy_log, offset, set(by_id)),
-                                      cpu_ms))
-            if conc == levels[-1]:
-                rows[-1]["repeat"] = len(tops) + 1
-                tops.append(rows[-1])
-            tick(f"overhead at {conc}")
-        top = sorted(tops, key=lambda r: r["overhead_ms_p99"] or 0.0)[len(tops) // 2]  # the median run
-        p99s = sorted(r["overhead_ms_p99"] for r in tops if r["overhead_ms_p99"] is not None)
-        summary.update(overhead_ms_p99_runs=[r["overhead_ms_p99"] for r in tops],
-                       overhead_ms_p99_median=p99s[len(p99s) // 2] if p99s else None,
-                       overhead_ms_p99_max=p99s[-1] if p99s else None, overhead_ms_p99_min=p99s[0] if p99s else None)
-        if control:  # the paired estimator on direct vs direct: its spread is the engine's, not the proxy's
-            pairs, errs, _ = client.overhead(upstream, upstream, model, questions, levels[-1], max_tokens)
-            rows.append(_overhead_row("A/A control", levels[-1], pairs, errs, {}, {}, None))
-            summary["control_paired_overhead_ms_p99"] = rows[-1]["paired_overhead_ms_p99"]
-            tick("control")
-        client.close()
-        summary.update({k: top[k] for k in ("overhead_ms_p50", "overhead_ms_p99", "paired_overhead_ms_p50",
-                                            "paired_overhead_ms_p99", "proxy_ms_p50", "proxy_ms_p99",
-                                            "proxy_cpu_ms_per_request")},
-                       overhead_at_concurrency=top["concurrency"])
-        docs = asyncio.run(_docs(upstream, proxy, model, requests, renderer, max_tokens))
-        for arm in ("direct", "proxy"):
-            ms = [t for t, good in docs[arm] if good]
-            errors += sum(1 for _, good in docs[arm] if not good)
-            rows.append({"phase": "documents", "arm": arm + (" (retrieval order)" if arm == "direct" else " (weaver)"),
-                         "requests": len(ms), "ttft_ms_p50": round(percentile(ms, 50), 2),
-                         "ttft_ms_p90": round(percentile(ms, 90), 2), "default": arm == "proxy"})
+        errors = _overhead_phase(ctx, tick, target, questions, rows, summary)
+        errors += _docs_phase(target, requests, renderer, rows, summary)
         tick("documents")
-        d50 = statistics.median(t for t, g in docs["direct"] if g)
-        p50 = statistics.median(t for t, g in docs["proxy"] if g)
-        summary["docs_ttft_reduction_vs_direct"] = round(1 - p50 / d50, 4)
         if soak_s > 0:
-            ok, errs, rss = asyncio.run(_soak(proxy, model, questions, soak_s, proxy_pid, max_tokens))
-            errors += errs
-            growth = (rss["end"] - rss["start"]) / rss["start"] if rss.get("start") else None
-            rows.append({"phase": "soak", "concurrency": 64, "seconds": soak_s, "requests": ok + errs, "errors": errs,
-                         "rss_mb_start": round(rss.get("start", 0) / 1024, 1), "rss_mb_end": round(rss.get("end", 0) / 1024, 1)})
-            summary.update(soak_s=soak_s, soak_requests=ok + errs, soak_errors=errs,
-                           rss_growth=round(growth, 4) if growth is not None else None)
+            errors += _soak_phase(target, questions, soak_s, rows, summary)
         tick("soak")
         summary["errors"] = errors
         summary["requests"] = len(requests)
