@@ -1,4 +1,5 @@
-"""The exception tree users catch, and the HTTP status of each (decided here, for every server).
+"""The exception tree users catch, and how each class goes over HTTP (decided here, for every server and
+the SDK): its status, its OpenAI error ``type`` and a stable code (``ERRORS``).
 
 Every message says what is wrong and how to fix it.
 
@@ -28,6 +29,8 @@ ContextKitError                  500
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class ContextKitError(Exception):
@@ -130,26 +133,67 @@ class UpstreamTimeoutError(UpstreamError):
     """An upstream server did not answer within its deadline."""
 
 
-# The one table of HTTP statuses; the most specific class wins (looked up along the MRO).
-_STATUS: dict[type[BaseException], int] = {
-    MalformedBodyError: 400,
-    BodyTooLargeError: 413,
-    UnsupportedMediaTypeError: 415,
-    PromptTooLongError: 413,
-    InputError: 422,
-    AuthenticationError: 401,
-    PermissionDeniedError: 403,
-    OverloadedError: 429,
-    DeadlineExceededError: 504,
-    NoUpstreamError: 503,
-    UpstreamTimeoutError: 504,
-    UpstreamError: 502,
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    """How a server answers one class of the tree, and how a client knows it again.
+
+    Attributes:
+        status: the HTTP status.
+        type: the OpenAI error object's ``type`` (what OpenAI clients switch on).
+        code: a stable machine name for the class (snake_case), sent as ``contextkit_code`` in the error
+            object so a client raises the same class; never renamed once released.
+    """
+
+    status: int
+    type: str
+    code: str
+
+
+# The one table: each class's status, OpenAI type and code. The most specific class wins (looked up
+# along the MRO); a class not listed here answers as its nearest listed parent.
+ERRORS: dict[type[ContextKitError], ErrorKind] = {
+    ContextKitError: ErrorKind(500, "api_error", "internal_error"),
+    ConfigError: ErrorKind(500, "api_error", "config_error"),
+    ModelError: ErrorKind(500, "api_error", "model_error"),
+    ModelNotFoundError: ErrorKind(500, "api_error", "model_not_found"),
+    CorruptModelError: ErrorKind(500, "api_error", "corrupt_model"),
+    UnsupportedModelError: ErrorKind(500, "api_error", "unsupported_model"),
+    InputError: ErrorKind(422, "invalid_request_error", "invalid_input"),
+    MalformedBodyError: ErrorKind(400, "invalid_request_error", "malformed_body"),
+    BodyTooLargeError: ErrorKind(413, "invalid_request_error", "body_too_large"),
+    UnsupportedMediaTypeError: ErrorKind(415, "invalid_request_error", "unsupported_media_type"),
+    EmptyInputError: ErrorKind(422, "invalid_request_error", "empty_input"),
+    PromptTooLongError: ErrorKind(413, "invalid_request_error", "context_length_exceeded"),  # OpenAI's code
+    AccessError: ErrorKind(500, "api_error", "access_error"),
+    AuthenticationError: ErrorKind(401, "authentication_error", "invalid_api_key"),  # OpenAI's code
+    PermissionDeniedError: ErrorKind(403, "permission_error", "permission_denied"),
+    OverloadedError: ErrorKind(429, "rate_limit_error", "overloaded"),
+    RateLimitError: ErrorKind(429, "rate_limit_error", "rate_limit_exceeded"),  # OpenAI's code
+    DeadlineExceededError: ErrorKind(504, "timeout", "deadline_exceeded"),
+    KVCacheError: ErrorKind(500, "api_error", "kv_cache_error"),
+    CorruptEntryError: ErrorKind(500, "api_error", "corrupt_entry"),
+    UpstreamError: ErrorKind(502, "upstream_error", "upstream_error"),
+    NoUpstreamError: ErrorKind(503, "service_unavailable", "no_upstream"),
+    UpstreamTimeoutError: ErrorKind(504, "timeout", "upstream_timeout"),
 }
+_INTERNAL = ERRORS[ContextKitError]  # what an exception outside the tree answers as
+_BY_CODE: dict[str, type[ContextKitError]] = {kind.code: cls for cls, kind in ERRORS.items()}
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """The table's row for ``exc``: its class's, or its nearest listed parent's (500 outside the tree)."""
+    for cls in type(exc).__mro__:
+        kind = ERRORS.get(cls)  # type: ignore[call-overload]
+        if kind is not None:
+            return kind
+    return _INTERNAL
 
 
 def http_status(exc: BaseException) -> int:
     """The HTTP status a server answers ``exc`` with: 4xx for the client's mistakes, 5xx for ours."""
-    for cls in type(exc).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls]
-    return 500
+    return error_kind(exc).status
+
+
+def error_class(code: str | None) -> type[ContextKitError] | None:
+    """The class an error object's ``contextkit_code`` names (None: no code, or one this version does not know)."""
+    return _BY_CODE.get(code) if isinstance(code, str) else None

@@ -4,9 +4,11 @@ A call is one ``/v1/chat/completions`` request in the shape both servers take (`
 and our ``contextkit`` options beside OpenAI's fields); the answer's ``report`` comes from the response's
 ``contextkit`` field (serve: span reuse, the KV path; the proxy: ordering for vLLM's prefix cache, with
 vLLM's own ``cached_tokens``). Errors come back as the error tree's exceptions with the server's message:
-401 ``AuthenticationError``, 403 ``PermissionDeniedError``, 400/422 ``InputError``, 413
-``PromptTooLongError`` or ``BodyTooLargeError``, 429 ``RateLimitError``/``OverloadedError`` (with ``retry_after_s``), 5xx and an
-unreachable server ``UpstreamError`` (a timeout ``UpstreamTimeoutError``): never a hang past ``timeout_s``.
+the class the error object's ``contextkit_code`` names (the table in ``contextkit.core.errors``), or for
+an error without one (vLLM's own) the status's: 401 ``AuthenticationError``, 403 ``PermissionDeniedError``,
+413 ``BodyTooLargeError``, other 4xx ``InputError``, 429 ``OverloadedError`` (with ``retry_after_s``), 504
+``UpstreamTimeoutError``, other 5xx ``UpstreamError``. An unreachable server is ``UpstreamError`` (a timeout
+``UpstreamTimeoutError``): never a hang past ``timeout_s``.
 
 httpx, not the openai package: the openai client retries on its own and hides our response field in
 ``model_extra``; the drop-in path (``ChatOpenAI`` / ``OpenAILike`` at the proxy) is tested separately.
@@ -25,7 +27,7 @@ import httpx
 from contextkit.sdk.shapes import Answer, Call, ReuseSummary
 from contextkit.core.errors import (
     AuthenticationError, BodyTooLargeError, ContextKitError, InputError, OverloadedError, PermissionDeniedError,
-    PromptTooLongError, RateLimitError, UpstreamError, UpstreamTimeoutError,
+    UpstreamError, UpstreamTimeoutError, error_class,
 )  # fmt: skip
 from contextkit.core.types import Skill
 from contextkit.synthesis.skills import SkillLibrary
@@ -81,32 +83,33 @@ def summary(usage: dict | None, ext: dict | None) -> ReuseSummary:
     return ReuseSummary(path, prompt, cached, cached, 0, prompt - cached, 0, order, reordered)
 
 
+# the class for an error object without ``contextkit_code`` (vLLM's own, or a server in between), by status
+_BY_STATUS: dict[int, type[ContextKitError]] = {401: AuthenticationError, 403: PermissionDeniedError,
+                                                413: BodyTooLargeError, 429: OverloadedError, 504: UpstreamTimeoutError}
+
+
 def error_of(status: int, raw: bytes | str, url: str, headers: httpx.Headers | None = None) -> ContextKitError:
-    """An error answer as the exception the error tree has for it."""
+    """An error answer as the exception the error tree has for it: the class its ``contextkit_code`` names
+    (``contextkit.core.errors.ERRORS``), else the one its status says (other 4xx ``InputError``, other 5xx
+    ``UpstreamError``)."""
     try:
         err = json.loads(raw)["error"]
-        message, param = str(err.get("message")), err.get("param")
-    except (ValueError, KeyError, TypeError):
-        message, param = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)[:300], None
+        message, param, code = str(err.get("message")), err.get("param"), err.get("contextkit_code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param, code = (raw.decode(errors="replace") if isinstance(raw, bytes) else raw)[:300], None, None
     where = f"{url} answered {status}: {message}"
-    if status == 401:
-        return AuthenticationError(where + " (pass api_key=, the key the server was started with)")
-    if status == 403:
-        return PermissionDeniedError(where)
-    if status == 413:  # a prompt over the model's context, or a body over the server's limit
-        return (PromptTooLongError if "context" in message else BodyTooLargeError)(where, param)
-    if status == 429:
+    cls = error_class(code) or _BY_STATUS.get(status) or (InputError if 400 <= status < 500 else UpstreamError)
+    if issubclass(cls, AuthenticationError):
+        return cls(where + " (pass api_key=, the key the server was started with)")
+    if issubclass(cls, OverloadedError):
         try:
             retry = float((headers or {}).get("retry-after") or 1)
         except ValueError:
             retry = 1.0
-        cls = RateLimitError if "rate" in message.lower() else OverloadedError
         return cls(where, retry_after_s=retry)
-    if 400 <= status < 500:
-        return InputError(where, param)
-    if status == 504:
-        return UpstreamTimeoutError(where)
-    return UpstreamError(where)
+    if issubclass(cls, InputError):
+        return cls(where, param)
+    return cls(where)
 
 
 class HTTPTransport:
@@ -257,8 +260,8 @@ class _StreamState:
             return ""
         obj = json.loads(data)
         if "error" in obj:  # the server failed after the stream began
-            err = obj["error"]
-            raise error_of(int(err.get("code") or 500), json.dumps(obj), url)
+            status = (obj["error"] or {}).get("code") if isinstance(obj["error"], dict) else None
+            raise error_of(status if isinstance(status, int) else 500, json.dumps(obj), url)
         self.model, self.id = obj.get("model", self.model), obj.get("id", self.id)
         if obj.get("usage"):
             self.usage = obj["usage"]

@@ -1,5 +1,5 @@
 """Building answers: OpenAI completions and chunks with our ``contextkit`` field, server-sent events, and
-OpenAI error objects (the status decided by ``contextkit.core.errors.http_status``) with their headers.
+OpenAI error objects (status, type and code from ``contextkit.core.errors.ERRORS``) with their headers.
 """
 
 from __future__ import annotations
@@ -7,23 +7,34 @@ from __future__ import annotations
 import json
 import uuid
 
-from contextkit.core.errors import AuthenticationError, OverloadedError, http_status  # fmt: skip
+from contextkit.core.errors import AuthenticationError, OverloadedError, error_kind  # fmt: skip
 from contextkit.integrations.edge.shapes import AssistantMessage, ChatChoice, ChunkChoice, Completion, TextChoice, Usage
 
 
 
+# OpenAI's error ``type`` for an answer that is a status alone (a route's 404), not one of our exceptions
+_TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                   422: "invalid_request_error", 429: "rate_limit_error", 502: "upstream_error",
+                   503: "service_unavailable", 504: "timeout"}  # fmt: skip
+
+
 def error_body(status_or_exc: int | BaseException, message: str | None = None, param: str | None = None) -> dict:
-    """An OpenAI error object for a status (or an exception, whose status ``http_status`` decides)."""
+    """An OpenAI error object for an exception (its row of ``contextkit.core.errors.ERRORS``) or a status.
+
+    ``code`` stays the numeric HTTP status, as it always was here: clients and our tests read it, the
+    OpenAPI schema says integer, and vLLM's own error objects (which the proxy relays) carry the status
+    there too. The class's stable string code goes beside it in ``contextkit_code`` (None for an answer
+    that is a status alone), which the SDK maps back to the class.
+    """
     if isinstance(status_or_exc, BaseException):
         exc = status_or_exc
-        status, message = http_status(exc), message or str(exc)
-        param = param or getattr(exc, "param", None)
+        kind = error_kind(exc)
+        status, kind_type, code = kind.status, kind.type, kind.code
+        message, param = message or str(exc), param or getattr(exc, "param", None)
     else:
-        status = status_or_exc
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-            502: "upstream_error", 503: "service_unavailable", 504: "timeout"}.get(status, "api_error")  # fmt: skip
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        status, kind_type, code = status_or_exc, _TYPE_OF_STATUS.get(status_or_exc, "api_error"), None
+    return {"error": {"message": message, "type": kind_type, "param": param, "code": status, "contextkit_code": code}}
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:

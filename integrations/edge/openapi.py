@@ -25,7 +25,8 @@ UPSTREAM_ERRORS = {"502": "the upstream failed", "503": "no healthy upstream", "
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"},
+                   "contextkit_code": {"type": ["string", "null"]}}}}}
 
 
 def responses(errors: dict[str, str]) -> dict:

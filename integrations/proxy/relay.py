@@ -211,7 +211,7 @@ async def streamed(u: Upstream, resp: aiohttp.ClientResponse, receive, send):
         yield state
     except (*UPSTREAM_ERRORS, ValueError) as exc:  # ValueError: an upstream event that is not JSON
         if not watcher.done():  # the upstream failed, not the client
-            event = sse(error_body(502, f"upstream {u.name} failed mid-stream: {describe(exc)}"))
+            event = sse(error_body(UpstreamError(f"upstream {u.name} failed mid-stream: {describe(exc)}")))
             await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
         watcher.cancel()
