@@ -118,7 +118,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
     prompts = []
     for req in requests:
-        chat = ChatRequest((Message("user", req.question),), tuple(Evidence(d.text, d.id, d.title) for d in req.documents),
+        chat = ChatRequest((Message("user", req.question),), tuple(Evidence(d.text, id=d.id, title=d.title) for d in req.documents),
                            ordering="retrieval", max_new_tokens=1)
         plan = planner.plan(chat)
         prompts.append(plan)

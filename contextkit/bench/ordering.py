@@ -88,7 +88,7 @@ class TraceRenderer:
 
     @staticmethod
     def request(req: TraceRequest, aligned: bool = False) -> ChatRequest:
-        docs = tuple(Evidence(d.text, d.id, d.title or None) for d in req.documents)
+        docs = tuple(Evidence(d.text, id=d.id, title=d.title or None) for d in req.documents)
         return ChatRequest((Message("user", req.question),), docs, ordering="weaver", block_align=aligned)
 
     def doc_tokens(self, req: TraceRequest) -> list[tuple[int, ...]]:
@@ -107,7 +107,7 @@ def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences
     rng = random.Random(seed)
     weaver = Weaver(block_size=block_size, max_nodes=max(100_000, sequences * 12))
     lengths = [[len(t) for t in renderer.doc_tokens(r)] for r in requests]
-    pool = [[Doc(d.id, n) for d, n in zip(r.documents, ls)] for r, ls in zip(requests, lengths)]
+    pool = [[Doc(id=d.id, tokens=n) for d, n in zip(r.documents, ls)] for r, ls in zip(requests, lengths)]
     for _ in range(sequences):  # served sequences: the stream's sets in shuffled orders
         docs = list(rng.choice(pool))
         rng.shuffle(docs)
@@ -157,7 +157,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             for req in requests:
                 lengths = [len(t) for t in renderer.doc_tokens(req)]
                 aligned = policy == "weaver+aligned"
-                docs = [Doc(d.id, len(pad_to_block(range(n), block, 0)) if aligned else n)
+                docs = [Doc(id=d.id, tokens=len(pad_to_block(range(n), block, 0)) if aligned else n)
                         for d, n in zip(req.documents, lengths)]
                 t0 = time.perf_counter()
                 if policy == "retrieval":

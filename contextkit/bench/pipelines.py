@@ -65,7 +65,7 @@ def bootstrap_ci(deltas: list[float], seed: int, reps: int = 2000) -> tuple[floa
 
 def _stuffed(question: str, docs) -> str:
     """What a framework's stuff-documents prompt sends: the passages in retrieval order, then the question."""
-    return "".join(render_document(Evidence(d.text, d.id, d.title)) for d in docs) + f"Question: {question}"
+    return "".join(render_document(Evidence(d.text, id=d.id, title=d.title)) for d in docs) + f"Question: {question}"
 
 
 def _timed_stream(chunks, text_of, marked=lambda c: True) -> tuple[float, str, object]:
@@ -158,7 +158,7 @@ class _Clients:
 
     def warm_up(self) -> None:
         """Each client's first call, not measured (connections, the proxy's first tokenizer use)."""
-        warm = [Evidence("A warm-up passage.", "warm-up")]
+        warm = [Evidence("A warm-up passage.", id="warm-up")]
         self.lc_plain.invoke("Say hi.")
         self.li_plain.complete("Say hi.")
         for llm in (self.lc_ck, self.lc_ret, self.kv_full, self.kv_reuse):
@@ -177,7 +177,7 @@ def _run_one(c: _Clients, name: str, req) -> dict:
     )
 
     docs, system = req.documents, DEFAULT_SYSTEM
-    evidence = [Evidence(d.text, d.id, d.title) for d in docs]
+    evidence = [Evidence(d.text, id=d.id, title=d.title) for d in docs]
     if name.startswith("llamaindex"):
         retrieved = NodeRetriever(lambda q: evidence).retrieve(req.question)
     else:  # LangChain's retriever for the LangChain and the KV-path pipelines
@@ -229,7 +229,7 @@ def _record(per: dict[str, dict[str, list]], got: dict[str, dict], req) -> None:
 
 def _session_turn(sdk, sessions: dict[str, object], sess: dict[str, list], req, max_tokens: int, run_id: str) -> None:
     """The request as the next turn of its trace session, an SDK session through the proxy."""
-    docs = [Evidence(d.text, d.id, d.title) for d in req.documents]
+    docs = [Evidence(d.text, id=d.id, title=d.title) for d in req.documents]
     s = sessions.get(req.session)
     for attempt in range(2):
         if s is None:

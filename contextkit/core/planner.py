@@ -299,7 +299,7 @@ class Planner:
                 raise InputError(f"documents[{i}] repeats id {did!r}; send each document once", "documents")
             seen.add(did)
             n = len(self.document_tokens(d, request.tenant))
-            out.append(Doc(did, n + (-n % bs)))
+            out.append(Doc(id=did, tokens=n + (-n % bs)))
         return tuple(out)
 
     def plan(self, request: ChatRequest, orderer: Orderer | None = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 from contextkit.core.errors import EmptyInputError
@@ -11,9 +11,11 @@ from contextkit.core.errors import EmptyInputError
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """One retrieved document: what a retriever hands to contextkit."""
+    """One retrieved document: what a retriever hands to contextkit. ``id`` and ``title`` are keyword-only
+    (``Evidence(text, id=..., title=...)``): passed by position, two optional strings were once swapped."""
 
     text: str
+    _: KW_ONLY
     id: str | None = None
     title: str | None = None
 
@@ -61,9 +63,9 @@ class Span:
             raise EmptyInputError(f"span {self.name or ''} has no tokens; drop it or give it text".replace("  ", " "))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Doc:
-    """A document as ordering sees it: an id and its rendered token length."""
+    """A document as ordering sees it: an id and its rendered token length (``Doc(id=..., tokens=...)``)."""
 
     id: str
     tokens: int

@@ -152,7 +152,7 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
                          "upstreams run the contextkit KV connector (--kv-connector); this one sends prompts",
                          "contextkit")
     messages = tuple(Message(m.role, m.text()) for m in chat.messages)
-    docs = tuple(Evidence(d.text, None if d.id is None else str(d.id), d.title) for d in chat.documents or ())
+    docs = tuple(Evidence(d.text, id=None if d.id is None else str(d.id), title=d.title) for d in chat.documents or ())
     skills = tuple(Skill(k.name, k.text, skill_version(k.name, k.text)) for k in chat.skills or ())
     try:
         runs_as = tenant(opts.tenant)

@@ -39,5 +39,5 @@ def reuse_order(evidence: Sequence[Evidence], weaver: Weaver, tenant: str,
             continue
         seen.add(did)
         keep.append(i)
-        docs.append(Doc(did, int(count_tokens(ev.text) if count_tokens else max(1, len(ev.text) // 4))))
+        docs.append(Doc(id=did, tokens=int(count_tokens(ev.text) if count_tokens else max(1, len(ev.text) // 4))))
     return [keep[i] for i in weaver.order(docs, Tenant.of(tenant)).order]

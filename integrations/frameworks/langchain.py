@@ -55,7 +55,7 @@ def to_evidence(doc: Document | Evidence | str | dict, i: int = 0) -> Evidence |
                          "documents")
     if not isinstance(doc.page_content, str) or not doc.page_content.strip():
         raise InputError(f"documents[{i}] has no page_content; drop it or give it text", "documents")
-    return Evidence(doc.page_content, None if did is None else str(did), title)
+    return Evidence(doc.page_content, id=None if did is None else str(did), title=title)
 
 
 def to_messages(messages: Sequence[BaseMessage]) -> list[Message]:

@@ -58,7 +58,7 @@ def to_evidence(node: Any, i: int = 0) -> Evidence | str | dict:
     if title is not None and not isinstance(title, str):
         raise InputError(f"documents[{i}]: metadata['title'] must be a string, got {type(title).__name__}",
                          "documents")
-    return Evidence(text, str(node.node_id), title)
+    return Evidence(text, id=str(node.node_id), title=title)
 
 
 def to_messages(messages: Sequence[ChatMessage]) -> list[Message]:

@@ -13,7 +13,7 @@ from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
 from contextkit.ordering.weaver import Weaver
 
-DOCS = (Evidence("Paris is in France.", "d1", "Paris"), Evidence("Rome is in Italy.", "d2"))
+DOCS = (Evidence("Paris is in France.", id="d1", title="Paris"), Evidence("Rome is in Italy.", id="d2"))
 
 
 @pytest.fixture(scope="module", params=["smol", "gemma"])
@@ -30,7 +30,7 @@ def test_documents_keep_their_tokens_wherever_they_land(planner):
     assert plan.document_ids == ("d1", "d2") and not query.reuse and plan.order == (0, 1)
     swapped = planner.plan(ChatRequest.ask("Where is Paris?", DOCS[::-1], ordering="retrieval"))
     assert swapped.items[1].span.token_ids == d2.span.token_ids  # the same block at another rank
-    reused = Evidence("Berlin is in Germany.", "d1", "Paris")  # a client reuses an id for new text
+    reused = Evidence("Berlin is in Germany.", id="d1", title="Paris")  # a client reuses an id for new text
     assert planner.document_tokens(reused) != d1.span.token_ids
 
 
@@ -108,7 +108,7 @@ def test_bad_requests(planner):
     with pytest.raises(InputError, match="marker"):
         ChatRequest((Message("user", f"a{MARK}b"),))
     with pytest.raises(InputError, match="repeats id"):
-        planner.plan(ChatRequest.ask("q", (Evidence("a", "x"), Evidence("b", "x"))))
+        planner.plan(ChatRequest.ask("q", (Evidence("a", id="x"), Evidence("b", id="x"))))
     with pytest.raises(EmptyInputError, match=r"documents\[0\]"):
         planner.plan(ChatRequest.ask("q", (Evidence("  "),)))
     with pytest.raises(PromptTooLongError, match="context of 100"):
@@ -134,7 +134,7 @@ def test_a_documents_prompt_has_the_tokens_of_its_text_tokenized_whole(planner, 
         rows = [{"question": ex["question"], "passages": ex["documents"]}]
     tok = planner.tokenizer
     for r in rows:
-        docs = tuple(Evidence(p["text"], None, p.get("title")) for p in r["passages"])
+        docs = tuple(Evidence(p["text"], title=p.get("title")) for p in r["passages"])
         plan = planner.plan(ChatRequest((Message("user", r["question"]),), docs, ordering="retrieval"))
         text = "".join(render_document(d) for d in docs) + f"Question: {r['question']}"
         if tok.has_chat_template:
@@ -162,7 +162,7 @@ def test_a_tenants_token_cache_never_depends_on_another_tenants_requests(smol_di
     sent a document. B's request after A's same document tokenizes it again, in B's own cache."""
     tok = _Recording(smol_dir)
     planner = Planner(tok, block_size=32)
-    secret = Evidence("The merger with Initech closes on 3 March.", "memo")
+    secret = Evidence("The merger with Initech closes on 3 March.", id="memo")
 
     def ask(tenant: str) -> ChatRequest:
         return ChatRequest.ask("When does it close?", (secret,), tenant=Tenant(tenant), ordering="retrieval")
@@ -183,7 +183,7 @@ def test_token_caches_stay_bounded_in_all_and_per_tenant(smol_dir):
     """Per-tenant caches are bounded: each by tenant_cache_bytes, all together by cache_bytes (the least
     recently used tenants' caches go first)."""
     planner = Planner(Tokenizer(smol_dir), cache_bytes=64 << 10, tenant_cache_bytes=16 << 10)
-    docs = tuple(Evidence(f"Fact number {i}: the value is {i * 7}. " * 20, f"d{i}") for i in range(12))
+    docs = tuple(Evidence(f"Fact number {i}: the value is {i * 7}. " * 20, id=f"d{i}") for i in range(12))
     for t in range(12):
         planner.plan(ChatRequest.ask("Which value?", docs, tenant=Tenant(f"t{t}"), ordering="retrieval"))
         assert planner.token_cache(f"t{t}").nbytes <= 16 << 10

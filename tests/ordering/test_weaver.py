@@ -13,7 +13,7 @@ from contextkit.ordering.weaver import MAX_K, Doc, Weaver, oracle, reusable, sea
 
 
 def _docs(ids, tokens=100):
-    return [Doc(str(i), tokens if isinstance(tokens, int) else tokens[k]) for k, i in enumerate(ids)]
+    return [Doc(id=str(i), tokens=tokens if isinstance(tokens, int) else tokens[k]) for k, i in enumerate(ids)]
 
 
 def test_served_set_in_a_new_order_is_restored_and_fully_reusable():
@@ -61,7 +61,7 @@ def test_exact_search_equals_brute_force_oracle():
             tokens.setdefault(n.doc_id, n.tokens)
             stack.extend(n.children.values())
         ids = rng.sample("abcdefgh", rng.randint(1, 6))
-        docs = [Doc(i, tokens.get(i, 10)) for i in ids]
+        docs = [Doc(id=i, tokens=tokens.get(i, 10)) for i in ids]
         brute_order, brute = oracle(tree, docs, block_size=16)
         order, best = search(tree, docs, block_size=16)
         assert best == brute, trial
@@ -74,7 +74,7 @@ def test_greedy_never_beats_the_oracle_and_can_lose_to_it():
         tree = _random_tree(rng, "abcdef", 10)
         w = Weaver(block_size=1)
         w._trees[""] = tree
-        docs = [Doc(i, 20) for i in rng.sample("abcdef", 5)]
+        docs = [Doc(id=i, tokens=20) for i in rng.sample("abcdef", 5)]
         _, best = oracle(tree, docs, block_size=1)
         assert w.order(docs, record=False).reusable_tokens <= best
     # a light first node hides a heavy path: greedy takes the heavy first node, the oracle the path
@@ -83,7 +83,7 @@ def test_greedy_never_beats_the_oracle_and_can_lose_to_it():
     tree.insert([("c", 100)])
     w = Weaver(block_size=1)
     w._trees[""] = tree
-    docs = [Doc("a", 10), Doc("b", 500), Doc("c", 100)]
+    docs = [Doc(id="a", tokens=10), Doc(id="b", tokens=500), Doc(id="c", tokens=100)]
     assert w.order(docs, record=False).reusable_tokens == 100
     assert oracle(tree, docs, block_size=1)[1] == 510
 
@@ -116,11 +116,11 @@ def test_recent_sequences_survive_eviction():
 def test_bad_input():
     w = Weaver()
     with pytest.raises(InputError, match="twice"):
-        w.order([Doc("a", 1), Doc("a", 1)])
+        w.order([Doc(id="a", tokens=1), Doc(id="a", tokens=1)])
     with pytest.raises(InputError, match="at most"):
-        w.order([Doc(str(i), 1) for i in range(MAX_K + 1)])
+        w.order([Doc(id=str(i), tokens=1) for i in range(MAX_K + 1)])
     with pytest.raises(InputError, match="negative"):
-        w.order([Doc("a", -1)])
+        w.order([Doc(id="a", tokens=-1)])
     empty = w.order([])
     assert empty.order == () and empty.reusable_tokens == 0
     with pytest.raises(ConfigError):
@@ -138,7 +138,7 @@ def test_concurrent_orders_from_many_threads():
         try:
             for _ in range(300):
                 ids = rng.sample(range(60), 8)
-                got = w.order([Doc(str(i), 64) for i in ids], tenant=str(seed % 2))
+                got = w.order([Doc(id=str(i), tokens=64) for i in ids], tenant=str(seed % 2))
                 assert sorted(got.order) == list(range(8))
         except Exception as exc:  # surfaced below
             errors.append(exc)
@@ -165,7 +165,7 @@ def test_tenant_names_must_be_valid_cache_salts():
 def test_greedy_lookup_ignores_tree_paths_outside_the_request():
     w = Weaver(block_size=1)
     for i in range(200):  # many unrelated first documents at the root
-        w.order([Doc(f"noise{i}", 10)])
+        w.order([Doc(id=f"noise{i}", tokens=10)])
     w.order(_docs("abc"))
     got = w.order(_docs("bca"))
     assert ["bca"[i] for i in got.order] == list("abc") and got.matched_docs == 3
@@ -184,7 +184,7 @@ def test_memory_is_bounded_by_tenants_and_id_length():
     assert w.order(_docs("ba"), tenant="t1", record=False).matched_docs == 2  # kept
     assert w.order(_docs("ba"), tenant="t2", record=False).matched_docs == 0  # dropped, starts afresh
     with pytest.raises(InputError, match="over 256"):
-        w.order([Doc("x" * 257, 4)])
+        w.order([Doc(id="x" * 257, tokens=4)])
 
 
 def test_a_key_inventing_sub_tenants_evicts_only_its_own_trees():

@@ -118,7 +118,7 @@ def test_a_session_keeps_its_documents_first_so_each_turn_extends_the_last(confi
     from contextkit.core.tokenizer import Tokenizer
 
     planner = Planner(Tokenizer(smol_dir))
-    a, b, c = (Evidence(f"Passage {n}: " + "words " * 40, f"p{n}") for n in "abc")
+    a, b, c = (Evidence(f"Passage {n}: " + "words " * 40, id=f"p{n}") for n in "abc")
     t1 = planner.plan(ChatRequest((Message("user", "first question?"),), (a, b), documents_at="first"))
     t2 = planner.plan(ChatRequest((Message("user", "first question?"), Message("assistant", "an answer"),
                                    Message("user", "second question?")), (a, b, c), documents_at="first"))
@@ -152,7 +152,7 @@ def test_a_session_over_the_proxy_hits_vllms_prefix_cache_and_skips_known_docume
     assert second.report.prompt_tokens > first.report.prompt_tokens
     # vLLM's own count: turn 2 found turn 1's head and documents in its prefix cache (whole 32-token blocks)
     t1 = Planner(Tokenizer(smol_dir)).plan(ChatRequest((Message("user", question),),
-                                                       tuple(Evidence(p["text"], p["id"], p["title"]) for p in passages[:3]),
+                                                       tuple(Evidence(p["text"], id=p["id"], title=p["title"]) for p in passages[:3]),
                                                        ordering="retrieval", documents_at="first"))
     assert t1.num_tokens == first.prompt_tokens
     docs_end = sum(len(it.span.token_ids) for it in t1.items if it.span.kind != "query")

@@ -62,7 +62,7 @@ def test_an_lcel_rag_chain_with_the_reorder_compressor(keyed_serve, docs):
     """retriever -> compressor (ordering for reuse) -> prompt -> chat model with the documents attached."""
     _, _, kit = keyed_serve
     question, documents = docs
-    evidence = [Evidence(d.page_content, d.id, d.metadata["title"]) for d in documents]
+    evidence = [Evidence(d.page_content, id=d.id, title=d.metadata["title"]) for d in documents]
     retriever = EvidenceRetriever(search=lambda q: evidence)
     reorder = ContextKitReorder(block_size=1, tenant="lc")
     llm = ChatContextKit(client=contextkit.connect(kit=kit), max_tokens=4)

@@ -56,7 +56,7 @@ def test_llm_complete_stream_chat_against_serve(keyed_serve, nodes):
 def test_query_engine_with_reorder_postprocessor_in_process(keyed_serve, nodes):
     _, _, kit = keyed_serve
     question, ns = nodes
-    evidence = [Evidence(n.node.get_content(), n.node.node_id, n.node.metadata["title"]) for n in ns]
+    evidence = [Evidence(n.node.get_content(), id=n.node.node_id, title=n.node.metadata["title"]) for n in ns]
     post = ContextKitReorderPostprocessor(block_size=1, tenant="li")
     engine = ContextKitQueryEngine(retriever=EvidenceRetriever(lambda q: evidence),
                                    llm=ContextKitLLM(client=contextkit.connect(kit=kit), max_tokens=4),

@@ -438,7 +438,7 @@ def test_a_conversation_is_never_cut_into_connector_spans(smol_dir):
     from contextkit.integrations.proxy.span_compiler import segments_of, spans_of
 
     planner = Planner(Tokenizer(smol_dir))
-    docs = (Evidence("Paris is in France.", "d1"), Evidence("Rome is in Italy.", "d2"))
+    docs = (Evidence("Paris is in France.", id="d1"), Evidence("Rome is in Italy.", id="d2"))
     turns = (Message("system", "Be brief."), Message("user", "Where is Paris?"), Message("assistant", "France."),
              Message("tool", "lookup: ok"), Message("user", "And Rome?"))
     for at, n_head in (("first", 1), ("last", 2)):  # documents after the first question, or the last

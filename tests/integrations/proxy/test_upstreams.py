@@ -16,7 +16,7 @@ from contextkit.core.types import Doc
 
 
 def _docs(ids):
-    return [Doc(i, 64) for i in ids]
+    return [Doc(id=i, tokens=64) for i in ids]
 
 
 def test_documents_follow_the_cache_and_the_rest_goes_to_the_least_loaded():

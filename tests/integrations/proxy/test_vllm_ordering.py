@@ -34,7 +34,7 @@ def renderer(smol_dir):
 
 def _send(client, renderer, weaver, req, salt):
     lengths = [len(t) for t in renderer.doc_tokens(req)]
-    docs = [Doc(d.id, n) for d, n in zip(req.documents, lengths)]
+    docs = [Doc(id=d.id, tokens=n) for d, n in zip(req.documents, lengths)]
     order = weaver.order(docs).order if weaver else tuple(range(len(docs)))
     ids, _ = renderer.ids(req, order, aligned=False)
     return client.complete(ids, max_tokens=2, cache_salt=salt), ids
