@@ -24,7 +24,7 @@ from contextkit.core.types import Evidence, Message, Skill
 from contextkit.engine.generate import Stream
 from contextkit.engine.model import Engine
 from contextkit.kernels.rerotate import Rerotator
-from contextkit.kvstore.tiered import build_store
+from contextkit.kvstore.tiered import TieredStore, build_store
 from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.store import KVSpanStore
@@ -97,6 +97,33 @@ class ContextKit:
     def close(self) -> None:
         """Close the KV store's tiers (LMCache runs threads that would otherwise keep the process alive)."""
         self.spans.store.kv.close()
+
+    # What a server over the kit needs, so it never reaches into the kit's parts (issue 27).
+
+    @property
+    def max_positions(self) -> int:
+        """The model's context in tokens: the longest prompt plus answer the engine takes."""
+        return self.engine.spec.max_positions
+
+    @property
+    def kv_store(self) -> TieredStore:
+        """The tiers span KV lives in (their ``stats()`` are what a server exports as metrics)."""
+        return self.spans.store.kv
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """``text`` as the model's token ids."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def plan_prompt(self, prompt: str | Sequence[int], tenant: Tenant | str = "", max_new_tokens: int = 16) -> RequestPlan:
+        """A completion prompt (text, tokenized with the model's special tokens, or token ids) as a plan
+        for ``run``: no documents, no reuse, a plain prefill (422 if empty, out of vocabulary or too long)."""
+        return self.planner.plan_prompt(prompt, Tenant.of(tenant), max_new_tokens=max_new_tokens)
+
+    def compile_pending_spans(self, limit: int | None = None) -> int:
+        """Do up to ``limit`` (None: all) units of the span work requests run with ``compile_after=False``
+        left: compile the documents they computed in context position-free, and store exact prefix
+        links. Returns the units done (0: nothing was left). Runs the engine: call it where requests run."""
+        return self.spans.compile_pending(limit)
 
     def __enter__(self) -> ContextKit:
         return self

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,14 +32,16 @@ from contextkit.core.errors import (
 )  # fmt: skip
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.edge.answers import chunk, completion, error_body, error_headers, new_id, sse, usage
-from contextkit.integrations.edge.parse import ClientGone, json_body, parse_chat, read_body, validate
-from contextkit.integrations.edge.shapes import CompletionBody  # fmt: skip
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics
 from contextkit.integrations.edge.openapi import openapi_schema
+from contextkit.integrations.edge.parse import ClientGone, json_body, parse_chat, read_body, validate
 from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
-from contextkit.integrations.serve.engine_turns import FairScheduler, Job
+from contextkit.integrations.edge.shapes import CompletionBody
+from contextkit.integrations.serve.engine_turns import EngineThreadScheduler, Job
+from contextkit.kit import ContextKit, KitStream
 from contextkit.kvstore.metrics import StoreCollector
+
 
 @dataclass(frozen=True, slots=True)
 class ServeLimits:
@@ -72,7 +76,7 @@ class ServeLimits:
             raise ConfigError("serve limits must be positive")
 
 
-def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
+def create_serve_app(kit: ContextKit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
                      limits: ServeLimits = ServeLimits(), engine_threads: int | None = None) -> FastAPI:
     """An OpenAI-compatible app over a ``ContextKit`` (its planner, engine and span cache).
 
@@ -83,40 +87,228 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
     region, OpenMP makes the engine thread's forwards ~20% slower (measured: a 1.1k-token bf16 prefill
     ~450 ms instead of ~370 ms).
     """
-    tenancy = tenancy or Tenancy()
-    pending: set[Job] = set()  # queued or running on the engine thread
-    idle = (lambda: kit.spans.compile_pending(limit=1) > 0) if limits.compile_idle else None
-    start = (lambda: torch.set_num_threads(engine_threads)) if engine_threads else None
-    scheduler = FairScheduler(limits.max_active, idle, start)
-    limiter = RateLimiter(limits.rate)
+    return ServeApp(kit, served_name, tenancy or Tenancy(), limits, engine_threads).build()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        yield
-        scheduler.close()  # jobs still there end with their clients' answers
 
-    app = FastAPI(title="contextkit serve", lifespan=lifespan)
-    app.openapi = lambda: openapi_schema("serve")  # the bodies are parsed by hand: describe them ourselves
-    metrics = ServerMetrics("contextkit_serve")
-    span_tokens = Counter("contextkit_serve_span_tokens", "prompt tokens of span-reuse requests, by what was done",
-                          ("kind",), registry=metrics.registry)
-    cancelled = Counter("contextkit_serve_cancelled", "requests stopped early: the client hung up or the deadline passed",
-                        ("why",), registry=metrics.registry)
-    metrics.registry.register(StoreCollector(kit.spans.store.kv))
+class _EngineWork:
+    """serve's ``EngineThreadWork``: the engine thread's torch threads, and while it is quiet the kit's
+    span compiles, one unit at a time (``ServeLimits.compile_idle``)."""
 
-    def fail(exc: BaseException, route: str) -> JSONResponse:
+    def __init__(self, kit: ContextKit, *, torch_threads: int | None, compile_idle: bool):
+        self._kit, self._torch_threads, self._compile_idle = kit, torch_threads, compile_idle
+
+    def start_engine_thread(self) -> None:
+        if self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+
+    def background_unit(self) -> bool:
+        return self._compile_idle and self._kit.compile_pending_spans(limit=1) > 0
+
+
+class ServeApp:
+    """One serve app's state: the kit, the scheduler of its engine thread, the queue of requests on it,
+    the limits and the metrics; a method per route and per step of a request (``build`` makes the app)."""
+
+    def __init__(self, kit: ContextKit, served_name: str, tenancy: Tenancy, limits: ServeLimits,
+                 engine_threads: int | None):
+        self.kit, self.served_name, self.tenancy, self.limits = kit, served_name, tenancy, limits
+        self.pending: set[Job] = set()  # queued or running on the engine thread (changed on the event loop)
+        self._released = threading.Condition()  # notified as jobs leave ``pending`` (wait_settled)
+        work = _EngineWork(kit, torch_threads=engine_threads, compile_idle=limits.compile_idle)
+        self.scheduler = EngineThreadScheduler(work, limits.max_active)
+        self.limiter = RateLimiter(limits.rate)
+        self.metrics = ServerMetrics("contextkit_serve")
+        self.span_tokens = Counter("contextkit_serve_span_tokens",
+                                   "prompt tokens of span-reuse requests, by what was done",
+                                   ("kind",), registry=self.metrics.registry)
+        self.cancelled = Counter("contextkit_serve_cancelled",
+                                 "requests stopped early: the client hung up or the deadline passed",
+                                 ("why",), registry=self.metrics.registry)
+        self.metrics.registry.register(StoreCollector(kit.kv_store))
+
+    def build(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            yield
+            self.scheduler.close()  # jobs still there end with their clients' answers
+
+        app = FastAPI(title="contextkit serve", lifespan=lifespan)
+        app.openapi = lambda: openapi_schema("serve")  # the bodies are parsed by hand: describe them ourselves
+        app.add_exception_handler(ContextKitError, self._error)
+        app.add_exception_handler(ClientGone, self._gone)
+        app.get("/health")(self.health)
+        app.get("/v1/models")(self.models)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/v1/chat/completions")(self.chat)
+        app.post("/v1/completions")(self.completions)
+        app.get("/metrics")(self.prometheus)
+        app.state.serve = self
+        app.state.kit, app.state.tenancy, app.state.pending = self.kit, self.tenancy, self.pending
+        app.state.scheduler, app.state.limiter = self.scheduler, self.limiter
+        return app
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Block until every request submitted so far has ended and been released on the event loop (the
+        engine thread and the queue hold none of them, nor their KV) and the engine thread has no
+        background work left; False if ``timeout_s`` passed first. For drains and tests."""
+        deadline = time.monotonic() + timeout_s
+        if not self.scheduler.wait_until_idle(timeout_s):
+            return False
+        with self._released:
+            return self._released.wait_for(lambda: not self.pending, max(0.0, deadline - time.monotonic()))
+
+    # --- the routes ---
+
+    async def health(self):
+        return Response(status_code=200)
+
+    async def models(self, request: Request):
+        self._caller(request)
+        return {"object": "list", "data": [{"id": self.served_name, "object": "model", "owned_by": "contextkit",
+                                            "max_model_len": self.kit.max_positions}]}
+
+    async def tokenize(self, request: Request):
+        self._caller(request)
+        body = await self._body_of(request)
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise InputError("prompt must be a string", "prompt")
+        # up to max_body_bytes of text: tokenized on a worker thread (the loop's default executor, a few
+        # threads), so the streams this loop feeds keep flowing meanwhile
+        ids = await asyncio.to_thread(self.kit.tokenize, prompt,
+                                      add_special_tokens=bool(body.get("add_special_tokens", False)))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.kit.max_positions}
+
+    async def chat(self, request: Request):
+        tenant = self._caller(request)
+        body, req = parse_chat(await self._body_of(request), functools.partial(self.tenancy.resolve, tenant),
+                               allow_reuse=True, default_max_tokens=256)
+        params = self._sampling(body)
+        start = functools.partial(self._start_chat, req, params)
+        return await self._run(start, body, request, "/v1/chat/completions", chat=True, tenant=req.tenant)
+
+    async def completions(self, request: Request):
+        tenant = self._caller(request)
+        body: CompletionBody = validate(CompletionBody, await self._body_of(request))
+        params = self._sampling(body)
+        start = functools.partial(self._start_completion, body.prompt, tenant, params)
+        return await self._run(start, body, request, "/v1/completions", chat=False, tenant=tenant)
+
+    async def prometheus(self):
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    async def _error(self, request: Request, exc: ContextKitError):
         status = http_status(exc)
-        metrics.request(route, status)
-        return JSONResponse(error_body(exc), status_code=status)
+        self.metrics.request(request.url.path, status)
+        response = JSONResponse(error_body(exc), status_code=status)
+        response.headers.update(error_headers(exc))
+        return response
 
-    def usage_of(stream, completion_tokens: int) -> dict:
-        cached = stream.report.cached_tokens if stream.report else 0  # KV that existed before this request
-        return usage(len(stream.prompt_ids), completion_tokens, cached)
+    async def _gone(self, request: Request, exc: ClientGone):  # nobody reads this answer
+        self.metrics.request(request.url.path, 499)
+        return Response(status_code=499)
 
-    def extension(stream) -> dict | None:
-        rep = stream.report
+    # --- reading a request ---
+
+    def _caller(self, request: Request) -> Tenant:
+        """The key's tenant, within its request rate (401 and 429 come before the body is read)."""
+        tenant = self.tenancy.authenticate(request.headers.get("authorization"))
+        self.limiter.check(tenant)
+        return tenant
+
+    async def _body_of(self, request: Request) -> dict:
+        """The JSON body, read up to ``limits.max_body_bytes`` (413 past it)."""
+        raw = await read_body(request.receive, self.limits.max_body_bytes, request.headers.get("content-length"))
+        return json_body(raw)
+
+    @staticmethod
+    def _sampling(body):
+        if body.n not in (None, 1):
+            raise InputError(f"n={body.n}: serve answers one choice per request; send {body.n} requests", "n")
+        return body.sampling()
+
+    # --- on the engine thread: a job's first turn plans and starts it ---
+
+    def _start_chat(self, req, params) -> KitStream:
+        return self.kit.run(self.kit.plan(req), params, compile_after=False)
+
+    def _start_completion(self, prompt, tenant: Tenant, params) -> KitStream:
+        plan = self.kit.plan_prompt(prompt, tenant, max_new_tokens=params.max_new_tokens)
+        return self.kit.run(plan, params, compile_after=False)
+
+    # --- a request's life: admitted, queued for the engine thread, answered, released ---
+
+    def _admit(self, tenant: Tenant) -> None:
+        """429 when the queue, or the tenant's share of it, is full."""
+        key = tenant.key_tenant  # a key's sub-tenants share its part of the queue
+        mine = sum(j.tenant.key_tenant == key for j in self.pending)  # at most max_queue jobs to count
+        if mine >= self.limits.max_queue_per_tenant:
+            raise OverloadedError(f"{mine} requests of this tenant (its sub-tenants' included) are waiting for "
+                                  "the engine; retry shortly", retry_after_s=self.limits.retry_after_s)
+        if len(self.pending) >= self.limits.max_queue:
+            raise OverloadedError(f"{len(self.pending)} requests are waiting for the engine; retry shortly",
+                                  retry_after_s=self.limits.retry_after_s)
+
+    def _submit(self, start: Callable[[], KitStream], tenant: Tenant) -> Job:
+        job = Job(asyncio.get_running_loop(), start, time.monotonic() + self.limits.deadline_s, tenant)
+        job.on_done = self._done_on_engine_thread
+        self.scheduler.submit(job)  # its release runs on this loop, so after the lines below
+        with self._released:
+            self.pending.add(job)
+        return job
+
+    def _done_on_engine_thread(self, job: Job) -> None:
+        job.loop.call_soon_threadsafe(self._release, job)
+
+    def _release(self, job: Job) -> None:  # on the event loop
+        with self._released:
+            self.pending.discard(job)
+            self._released.notify_all()
+        if job.stopped:
+            self.cancelled.labels(job.stopped).inc()
+
+    async def _run(self, start: Callable[[], KitStream], body, request: Request, route: str, chat: bool,
+                   tenant: Tenant):
+        """Queue the request for the engine thread, then answer, streaming or not. The request ends at its
+        next turn once the client is gone or the deadline passed."""
+        self._admit(tenant)
+        t0 = time.perf_counter()
+        job = self._submit(start, tenant)
+        try:
+            kind, value = await job.next_or_disconnect(request)  # planned (or refused), maybe after a wait
+        except BaseException:
+            job.cancel.set()
+            raise
+        if kind == "error":
+            raise value
+        if kind == "done":  # the client hung up while the request waited: it never runs
+            self.metrics.request(route, 499)
+            return Response(status_code=499)
+        answer = _Answer(self, value, chat, body.return_token_ids)
+        if not body.stream:
+            return await answer.whole(job, request, route)
+        self.metrics.request(route, 200)
+        return StreamingResponse(answer.events(job, t0), media_type="text/event-stream")
+
+
+class _Answer:
+    """The answer to one started request (``stream``): the whole completion, or its SSE events."""
+
+    def __init__(self, server: ServeApp, stream: KitStream, chat: bool, return_token_ids: bool | None):
+        self.server, self.stream, self.chat = server, stream, chat
+        self.rid, self.created = new_id(chat), int(time.time())
+        self.ids = {"prompt_token_ids": list(stream.prompt_ids)} if return_token_ids else {}
+
+    def _usage(self, completion_tokens: int) -> dict:
+        rep = self.stream.report
+        cached = rep.cached_tokens if rep else 0  # KV that existed before this request
+        return usage(len(self.stream.prompt_ids), completion_tokens, cached)
+
+    def _extension(self) -> dict | None:
+        stream, rep = self.stream, self.stream.report
         if rep is None:
             return None
+        span_tokens = self.server.span_tokens
         span_tokens.labels("prompt").inc(len(stream.prompt_ids))
         for kind in ("reused", "recomputed", "prefilled"):
             span_tokens.labels(kind).inc(getattr(rep, f"{kind}_tokens"))
@@ -127,168 +319,47 @@ def create_serve_app(kit, served_name: str = "contextkit", tenancy: Tenancy | No
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 
-    async def run(make: Callable, body, request: Request, route: str, chat: bool, tenant: Tenant):
-        """Queue the request for the engine thread (429 when the queue, or the tenant's share of it, is
-        full), then answer, streaming or not. The request ends at its next turn once the client is gone or
-        the deadline passed."""
-        key = tenant.key_tenant  # a key's sub-tenants share its part of the queue
-        mine = sum(j.tenant.key_tenant == key for j in pending)  # at most max_queue jobs to count
-        if mine >= limits.max_queue_per_tenant:
-            raise OverloadedError(f"{mine} requests of this tenant (its sub-tenants' included) are waiting for "
-                                  "the engine; retry shortly", retry_after_s=limits.retry_after_s)
-        if len(pending) >= limits.max_queue:
-            raise OverloadedError(f"{len(pending)} requests are waiting for the engine; retry shortly",
-                                  retry_after_s=limits.retry_after_s)
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        job = Job(loop, make, time.monotonic() + limits.deadline_s, tenant)
-
-        def finished(_) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(release, job)
-
-        def release(job: Job) -> None:
-            pending.discard(job)
-            if job.stopped:
-                cancelled.labels(job.stopped).inc()
-
-        job.on_done = finished
-        scheduler.submit(job)  # its release runs on this loop, so after the line below
-        pending.add(job)
+    async def whole(self, job: Job, request: Request, route: str) -> Response:
+        metrics, name = self.server.metrics, self.server.served_name
         try:
-            kind, value = await job.next_or_disconnect(request)  # planned (or refused), maybe after a wait
-        except BaseException:
-            job.cancel.set()
-            raise
-        if kind == "error":
-            raise value
-        if kind == "done":  # the client hung up while the request waited: it never runs
+            while (item := await job.next_or_disconnect(request))[0] == "delta":
+                pass
+        finally:
+            job.cancel.set()  # client gone or finished: nothing more to decode
+        if item[0] == "error":
+            raise item[1]
+        gen = self.stream.result
+        if gen is None:  # the client hung up: nobody reads this
             metrics.request(route, 499)
             return Response(status_code=499)
-        stream = value
-        rid, created = new_id(chat), int(time.time())
-        ids = {"prompt_token_ids": list(stream.prompt_ids)} if body.return_token_ids else {}
-        if not body.stream:
-            try:
-                while (item := await job.next_or_disconnect(request))[0] == "delta":
-                    pass
-            finally:
-                job.cancel.set()  # client gone or finished: nothing more to decode
-            if item[0] == "error":
-                raise item[1]
-            gen = stream.result
-            if gen is None:  # the client hung up: nobody reads this
-                metrics.request(route, 499)
-                return Response(status_code=499)
-            metrics.first_token(gen.prefill_ms / 1e3)
-            metrics.request(route, 200)
-            out = completion(rid, served_name, chat, [(0, gen.text, gen.finish_reason, ids)],
-                             usage_of(stream, len(gen.token_ids)), extension(stream), created)
-            return JSONResponse(out)
-
+        metrics.first_token(gen.prefill_ms / 1e3)
         metrics.request(route, 200)
+        out = completion(self.rid, name, self.chat, [(0, gen.text, gen.finish_reason, self.ids)],
+                         self._usage(len(gen.token_ids)), self._extension(), self.created)
+        return JSONResponse(out)
 
-        async def events():
-            first = True
-            try:
-                while True:
-                    kind, item = await job.next()
-                    if kind == "done":
-                        break
-                    if kind == "error":
-                        yield sse(error_body(item))
-                        break
-                    if first:
-                        metrics.first_token(time.perf_counter() - t0)
-                    out = chunk(rid, served_name, chat, [(0, item, first, None)], created)
-                    if first:
-                        out["choices"][0].update(ids)  # vLLM sends the prompt's ids with the first delta
-                    first = False
-                    yield sse(out)
-                gen = stream.result
-                if gen is not None:
-                    yield sse(chunk(rid, served_name, chat, [(0, "", first, gen.finish_reason)], created))
-                    yield sse(chunk(rid, served_name, chat, [], created, usage_of(stream, len(gen.token_ids)),
-                                    extension(stream)))
-                yield sse("[DONE]")
-            finally:  # the client hung up (the generator is closed) or the stream ended
-                job.cancel.set()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.exception_handler(ContextKitError)
-    async def _error(request: Request, exc: ContextKitError):
-        response = fail(exc, request.url.path)
-        response.headers.update(error_headers(exc))
-        return response
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)
-
-    async def body_of(request: Request) -> dict:
-        """The JSON body, read up to ``limits.max_body_bytes`` (413 past it)."""
-        return json_body(await read_body(request.receive, limits.max_body_bytes, request.headers.get("content-length")))
-
-    @app.exception_handler(ClientGone)
-    async def _gone(request: Request, exc: ClientGone):  # nobody reads this answer
-        metrics.request(request.url.path, 499)
-        return Response(status_code=499)
-
-    def sampling(body):
-        if body.n not in (None, 1):
-            raise InputError(f"n={body.n}: serve answers one choice per request; send {body.n} requests", "n")
-        return body.sampling()
-
-    def caller(request: Request) -> Tenant:
-        """The key's tenant, within its request rate (401 and 429 come before the body is read)."""
-        tenant = tenancy.authenticate(request.headers.get("authorization"))
-        limiter.check(tenant)
-        return tenant
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        caller(request)
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "contextkit",
-                                            "max_model_len": kit.engine.spec.max_positions}]}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        caller(request)
-        body = await body_of(request)
-        prompt = body.get("prompt", "")
-        if not isinstance(prompt, str):
-            raise InputError("prompt must be a string", "prompt")
-        # up to max_body_bytes of text: tokenized on a worker thread (the loop's default executor, a few
-        # threads), so the streams this loop feeds keep flowing meanwhile
-        ids = await asyncio.to_thread(kit.tokenizer.encode, prompt,
-                                      add_special_tokens=bool(body.get("add_special_tokens", False)))
-        return {"tokens": ids, "count": len(ids), "max_model_len": kit.engine.spec.max_positions}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        tenant = caller(request)
-        body, req = parse_chat(await body_of(request), lambda name: tenancy.resolve(tenant, name),
-                               allow_reuse=True, default_max_tokens=256)
-        params = sampling(body)
-        return await run(lambda: kit.run(kit.plan(req), params, compile_after=False), body, request,
-                         "/v1/chat/completions", chat=True, tenant=req.tenant)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        tenant = caller(request)
-        body: CompletionBody = validate(CompletionBody, await body_of(request))
-        params = sampling(body)
-
-        def make():
-            plan = kit.planner.plan_prompt(body.prompt, tenant, max_new_tokens=params.max_new_tokens)
-            return kit.run(plan, params, compile_after=False)
-
-        return await run(make, body, request, "/v1/completions", chat=False, tenant=tenant)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.text(), media_type=CONTENT_TYPE)
-
-    app.state.kit, app.state.tenancy, app.state.pending, app.state.scheduler = kit, tenancy, pending, scheduler
-    app.state.limiter = limiter
-    return app
+    async def events(self, job: Job, t0: float):
+        rid, name, chat, created = self.rid, self.server.served_name, self.chat, self.created
+        first = True
+        try:
+            while True:
+                kind, item = await job.next()
+                if kind == "done":
+                    break
+                if kind == "error":
+                    yield sse(error_body(item))
+                    break
+                if first:
+                    self.server.metrics.first_token(time.perf_counter() - t0)
+                out = chunk(rid, name, chat, [(0, item, first, None)], created)
+                if first:
+                    out["choices"][0].update(self.ids)  # vLLM sends the prompt's ids with the first delta
+                first = False
+                yield sse(out)
+            gen = self.stream.result
+            if gen is not None:
+                yield sse(chunk(rid, name, chat, [(0, "", first, gen.finish_reason)], created))
+                yield sse(chunk(rid, name, chat, [], created, self._usage(len(gen.token_ids)), self._extension()))
+            yield sse("[DONE]")
+        finally:  # the client hung up (the generator is closed) or the stream ended
+            job.cancel.set()

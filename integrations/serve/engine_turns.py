@@ -1,5 +1,8 @@
 """``serve``'s engine thread: many requests on one engine, shared fairly between tenants.
 
+``EngineThreadScheduler`` owns the built-in engine's one thread and schedules requests (``Job``) onto it;
+what else that thread does (its start, background work when quiet) comes from an ``EngineThreadWork``.
+
 The built-in engine runs one forward pass at a time and keeps each request's KV on its own, so requests
 can take turns token by token (time slicing, not batching): a new request is planned and prefilled at
 its turn, then every started request decodes one step per turn. Turns go to the tenant that has had the
@@ -8,10 +11,11 @@ the least-served busy tenant, so idle time banks no credit), and within a tenant
 turn, a request not yet started first. A tenant here is a key tenant (``Tenant.key_tenant``): a key's
 sub-tenants share its turns, so naming more of them gets a key no more of the engine. So one tenant's
 8000-token answers or 200 queued requests cost every other tenant at most one step each per turn, and a
-new request's first token waits for one turn of the others, not for their whole answers. At most ``max_active`` requests hold KV at once; the rest wait
-for a place, planned at their turn. Background work (compiling spans requests computed in context) runs
-in bounded units once no request has arrived for ``idle_after_s``: a request queues behind at most one
-unit, and a client sending requests back to back behind none.
+new request's first token waits for one turn of the others, not for their whole answers. At most
+``max_active`` requests hold KV at once; the rest wait for a place, planned at their turn. Background
+work (compiling spans requests computed in context) runs in bounded units once no request has arrived
+for ``idle_after_s``: a request queues behind at most one unit, and a client sending requests back to
+back behind none.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from contextkit.core.errors import ContextKitError, DeadlineExceededError, OverloadedError
 from contextkit.core.tenant import Tenant
-
 
 _LATE = "the request ran past its deadline and was stopped; ask for fewer tokens or retry when the server is less busy"
 _WAITED = "the request waited past its deadline; retry when the server is less busy"
@@ -91,23 +95,38 @@ class Job:
                     return ("done", None)
 
 
-class FairScheduler:
-    """The engine thread. ``submit`` hands it a job from any thread; ``close`` stops it (jobs not yet
-    ended get ``done``)."""
+class EngineThreadWork(Protocol):
+    """What the engine thread does besides requests (serve: set its torch threads, compile the spans
+    requests computed in context). Both run on the engine thread, so they may use the engine."""
 
-    def __init__(self, max_active: int = 8, idle: Callable[[], bool] | None = None,
-                 on_start: Callable[[], None] | None = None, idle_after_s: float = 0.05,
+    def start_engine_thread(self) -> None:
+        """Runs first, once, on the engine thread."""
+
+    def background_unit(self) -> bool:
+        """One bounded unit of background work, run while no request is queued or running; True if it
+        did any (the next unit then waits for the next quiet turn), False when there is none left."""
+
+
+class EngineThreadScheduler:
+    """Schedules requests onto the built-in engine's one thread, turn by turn, fairly between key tenants.
+
+    ``submit`` hands it a job from any thread; ``close`` stops it (jobs not yet ended get ``done``).
+    ``work`` (optional) starts the thread and fills its quiet time; ``clock`` prices a turn for its tenant
+    (a test's fake clock makes turns deterministic)."""
+
+    def __init__(self, work: EngineThreadWork | None = None, max_active: int = 8, idle_after_s: float = 0.05,
                  clock: Callable[[], float] = time.perf_counter):
         self.max_active = max_active
-        self._clock = clock  # what a turn costs its tenant (a test's fake clock makes turns deterministic)
-        # one bounded unit of background work (True if it did any), run once no job has arrived for
-        # idle_after_s: a client sending requests back to back never waits behind it
-        self.idle = idle
+        self._clock = clock
+        # background units run once no job has arrived for idle_after_s: a client sending requests back
+        # to back never waits behind one
+        self.work = work
         self.idle_after_s = idle_after_s
-        self._on_start = on_start  # runs first on the engine thread (e.g. its torch thread count)
         self._cv = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._closed = False
+        # set while the thread is parked: no job queued or running, no background unit left
+        self._parked = threading.Event()
         self.served_s: dict[Tenant, float] = {}  # engine seconds of key tenants with jobs (dropped when idle)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -117,7 +136,14 @@ class FairScheduler:
             if self._closed:
                 raise OverloadedError("the server is shutting down; retry on another replica or shortly")
             self._inbox.append(job)
+            self._parked.clear()
             self._cv.notify()
+
+    def wait_until_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until the engine thread has nothing left to do: every submitted job ended (the thread
+        holds none of them) and no background unit left. False if ``timeout_s`` passed first. For
+        drains and tests: an event, where a sleep would guess."""
+        return self._parked.wait(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._cv:
@@ -126,8 +152,8 @@ class FairScheduler:
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
-        if self._on_start is not None:
-            self._on_start()
+        if self.work is not None:
+            self.work.start_engine_thread()
         waiting: dict[Tenant, deque[Job]] = {}  # key tenant -> its jobs not started
         active: dict[Tenant, deque[Job]] = {}  # key tenant -> its jobs started: holding KV
         n_active = 0
@@ -136,21 +162,23 @@ class FairScheduler:
             return not self._inbox and not waiting and not active and not self._closed
 
         while True:
-            if self.idle is not None:
+            if self.work is not None:
                 with self._cv:
                     if quiet():
                         self._cv.wait(self.idle_after_s)  # a request arriving meanwhile goes first
                     free = quiet()
-                if free and self.idle():
+                if free and self.work.background_unit():
                     continue  # a unit of background work done: look for jobs again before the next one
             with self._cv:
                 while quiet():
+                    self._parked.set()  # cleared by the next submit, under the same lock
                     self._cv.wait()
                 if self._closed:
                     for job in [*self._inbox, *(j for q in (*waiting.values(), *active.values()) for j in q)]:
                         job.cancel.set()
                         job.step()
                         self._finished(job)
+                    self._parked.set()  # nothing left: a drain waiting on it ends
                     return
                 while self._inbox:
                     job = self._inbox.popleft()
