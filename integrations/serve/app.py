@@ -30,6 +30,8 @@ from prometheus_client import Counter
 from contextkit.core.errors import (
     ConfigError, ContextKitError, InputError, OverloadedError, http_status,
 )  # fmt: skip
+from contextkit.core.generation import SamplingParams
+from contextkit.core.planner import ChatRequest
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.edge.answers import chunk, completion, error_body, error_headers, new_id, sse, usage
@@ -229,10 +231,10 @@ class ServeApp:
 
     # --- on the engine thread: a job's first turn plans and starts it ---
 
-    def _start_chat(self, req, params) -> KitStream:
+    def _start_chat(self, req: ChatRequest, params: SamplingParams) -> KitStream:
         return self.kit.run(self.kit.plan(req), params, compile_after=False)
 
-    def _start_completion(self, prompt, tenant: Tenant, params) -> KitStream:
+    def _start_completion(self, prompt: str | list[int], tenant: Tenant, params: SamplingParams) -> KitStream:
         plan = self.kit.plan_prompt(prompt, tenant, max_new_tokens=params.max_new_tokens)
         return self.kit.run(plan, params, compile_after=False)
 
