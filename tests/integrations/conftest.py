@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import http.server
-import json
-import random
 import threading
-import time
 
 import httpx
 import pytest
-
-from contextkit.integrations.launchers.process import free_port
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
