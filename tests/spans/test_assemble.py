@@ -15,6 +15,7 @@ from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
+from contextkit.spans.prefix import chain_key
 from contextkit.spans.store import KVSpanStore
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
@@ -40,7 +41,7 @@ def smol(smol_dir, passage_text):
     engine, tok = Engine.from_dir(smol_dir), Tokenizer(smol_dir)
     blocks = [b for b in passage_text.split("\n\n") if b.strip()][:6]
     # ids of their own: without the shared data the passages come from the bundled example, repeated
-    passages = [Evidence(b.split("\n", 1)[-1], f"p{i}", b.split("\n", 1)[0]) for i, b in enumerate(blocks)]
+    passages = [Evidence(b.split("\n", 1)[-1], id=f"p{i}", title=b.split("\n", 1)[0]) for i, b in enumerate(blocks)]
     items = _plan_items(tok, passages, "Which of these people was born first?")
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
     full = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")))
@@ -214,7 +215,7 @@ def test_gemma_spans_reposition_per_layer_geometry(gemma_dir, passage_text):
     # Gemma 3 rotates local (sliding) and global layers with different bases: both must re-rotate.
     engine, tok = Engine.from_dir(gemma_dir), Tokenizer(gemma_dir)
     blocks = [b for b in passage_text.split("\n\n") if b.strip()][:4]
-    items = _plan_items(tok, [Evidence(b, f"p{i}") for i, b in enumerate(blocks)], "Who is mentioned first?")
+    items = _plan_items(tok, [Evidence(b, id=f"p{i}") for i, b in enumerate(blocks)], "Who is mentioned first?")
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
     for it in items[:-1]:
         cache.compiled(it.span)
@@ -342,9 +343,10 @@ def test_nothing_after_caller_provided_kv_becomes_an_exact_prefix(smol):
     branch, _ = cache.compiled(items[1].span)
     got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0)), provided={1: branch}).report
     assert got.hits == 1 and got.misses == 2 and got.exact_tokens == 0  # system and the second document in context
-    system_link = cache._chain_key(items[0].span.token_ids, None, "")
+    system_link = chain_key(cache.identity, items[0].span.token_ids, None, "")
     assert system_link in cache.store  # the system prompt, first and computed in place, is exact
-    after = cache._chain_key(items[2].span.token_ids, cache._chain_key(items[1].span.token_ids, system_link, ""), "")
+    branch_link = chain_key(cache.identity, items[1].span.token_ids, system_link, "")
+    after = chain_key(cache.identity, items[2].span.token_ids, branch_link, "")
     assert after not in cache.store
     assert span_key(cache.identity, items[2].span.token_ids) in cache.pending  # compiled alone later instead
 
