@@ -1,11 +1,12 @@
-# Quick start: `make run` (answer the example question on the embedded default model), `make test`.
+# Quick start: `make run` (answer the example question on the embedded default model), `make test`
+# (everything, with vLLM and the services), `make test-fast` (no vLLM, nothing slow: a few minutes).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH  := bench-results
 
-.PHONY: run serve test bench venv services-deps clean
+.PHONY: run serve test test-fast bench venv services-deps clean
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 venv: $(STAMP)
@@ -39,9 +40,19 @@ serve: venv
 # prepared default model, Redis, lmcache_server), exports their URLs, runs pytest and stops them by
 # PID, pass or fail.
 # lint-imports checks the layer contracts in pyproject.toml (import-linter) before any test runs.
+# --durations=25 lists the slowest tests at the end of the log (what to look at when the suite slows down).
 test: venv services-deps
 	$(BIN)/python tools/lint_layers.py
-	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q
+	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q --durations=25
+
+# The quick check while editing (a few minutes on 2 cores): the layer contracts, then every test that needs
+# no vLLM server and is not marked slow. tests/conftest.py marks a test `vllm` when it uses a fixture that
+# starts or reaches vLLM; `slow` (a real model loaded, a subprocess, a long run) is set in the test files.
+# No services are started: a test here that needs Redis or lmcache_server starts its own on loopback.
+# `make test` still runs everything.
+test-fast: venv
+	$(BIN)/python tools/lint_layers.py
+	$(BIN)/python -m pytest -q -m "not vllm and not slow" --durations=10
 
 # Redis for the remote KV tier comes from Debian (lmcache_server comes with the lmcache wheel).
 services-deps:

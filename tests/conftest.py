@@ -20,6 +20,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# Fixtures that start or reach a vLLM server (directly or through vllm_url). A test that uses one, even
+# through another fixture, gets the `vllm` marker, so `make test-fast` (-m "not vllm") can leave it out.
+# A new fixture that launches VLLMServer belongs here.
+VLLM_FIXTURES = frozenset({
+    "vllm_url",      # the shared server (root conftest)
+    "recorder",      # a recording hop in front of it (tests/integrations/conftest.py)
+    "open_proxy",    # the proxy in front of it (tests/integrations/conftest.py)
+    "keyed_vllm",    # a second server started with --api-key (tests/integrations/proxy/test_proxy.py)
+    "kv",            # two servers with the KV connector (tests/integrations/vllm_connector/test_vllm_connector.py)
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # fixturenames is the test's whole fixture closure, so a fixture built on vllm_url counts too
+        if VLLM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
+
 
 @pytest.fixture(scope="session")
 def config() -> ContextKitConfig:
