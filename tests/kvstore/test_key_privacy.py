@@ -25,8 +25,6 @@ from contextkit.kvstore.entry import make_entry
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 from contextkit.spans.key import ModelIdentity, span_key
 
-from kvhelpers import same
-
 pytestmark = pytest.mark.slow
 
 TENANT = "acme-legal-private"
@@ -78,7 +76,7 @@ def _stored(r: redis.Redis, tier: LMCacheTier, k) -> bytes:
     return b"\n".join(parts)
 
 
-def test_stored_names_depend_on_the_secret(redis_url):
+def test_stored_names_depend_on_the_secret(redis_url, same):
     """(a) Two servers sharing a secret give one document one name and hit each other's entries; a server
     with another secret gives it another name: it does not find ours (a miss, not a refused entry)."""
     one, same_secret, other = (_tier(redis_url, s) for s in (b"s" * 32, b"s" * 32, b"t" * 32))
@@ -96,7 +94,7 @@ def test_stored_names_depend_on_the_secret(redis_url):
         _close(one, same_secret, other)
 
 
-def test_redis_holds_nothing_a_guessed_document_could_be_matched_against(redis_url):
+def test_redis_holds_nothing_a_guessed_document_could_be_matched_against(redis_url, same):
     """(b) An encrypted entry in the real Redis: its names and bytes hold neither the tenant's name, nor
     the plaintext's xxh3, nor any digest computable from the guessed document without the secret."""
     r = redis.Redis.from_url(redis_url)
@@ -126,7 +124,7 @@ def test_redis_holds_nothing_a_guessed_document_could_be_matched_against(redis_u
         _close(tier)
 
 
-def test_a_tampered_or_misplaced_entry_in_redis_is_refused_and_recomputed(redis_url):
+def test_a_tampered_or_misplaced_entry_in_redis_is_refused_and_recomputed(redis_url, same):
     """(c) The checks still hold with keyed names and no plaintext checksum: a flipped byte (header or
     ciphertext) or another key's bytes under this key's name is dropped, counted and recomputed."""
     r = redis.Redis.from_url(redis_url)

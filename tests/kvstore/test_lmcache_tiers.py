@@ -4,6 +4,7 @@ ends in a miss (the caller recomputes) or a clear error: never a wrong KV, never
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,14 +18,10 @@ import torch
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.launchers.services import lmcache_server, redis_server
 from contextkit.integrations.launchers.vllm_server import free_port
+from contextkit.kvstore.entry import decode, encode_bytes
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig, lmcache_config
 
-from contextkit.kvstore.entry import encode_bytes
-
-from kvhelpers import MAC, Key, entry, key, same
-
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).parent
 
 
 def finishes(fn, within_s: float = 60.0):
@@ -38,19 +35,19 @@ def finishes(fn, within_s: float = 60.0):
 
 
 @pytest.fixture
-def tiers(tmp_path, redis_url, lmcache_url):
+def tiers(tmp_path, redis_url, lmcache_url, mac):
     made = {
-        "cpu": LMCacheTier(LMCacheTierConfig("cpu", max_bytes=256 << 20, mac_key=MAC)),
-        "disk": LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path / "disk", mac_key=MAC)),
-        "redis": LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC)),
-        "lm": LMCacheTier(LMCacheTierConfig("remote", remote_url=lmcache_url, mac_key=MAC)),
+        "cpu": LMCacheTier(LMCacheTierConfig("cpu", max_bytes=256 << 20, mac_key=mac)),
+        "disk": LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path / "disk", mac_key=mac)),
+        "redis": LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac)),
+        "lm": LMCacheTier(LMCacheTierConfig("remote", remote_url=lmcache_url, mac_key=mac)),
     }
     yield made
     for t in made.values():
         finishes(t.close, 30)
 
 
-def test_every_backend_round_trips_bit_exact_and_keeps_tenants_apart(tiers, tmp_path):
+def test_every_backend_round_trips_bit_exact_and_keeps_tenants_apart(tiers, tmp_path, key, entry, same):
     for name, tier in tiers.items():
         for dtype in (torch.bfloat16, torch.float32):
             k = key(f"{name}-{dtype}", tenant="tenant-a")
@@ -59,94 +56,116 @@ def test_every_backend_round_trips_bit_exact_and_keeps_tenants_apart(tiers, tmp_
             assert tier.wait_visible(k), name
             assert same(tier.get(k), e), name
             assert tier.get(key(f"{name}-{dtype}", tenant="tenant-b")) is None  # other tenant: miss
-            assert tier.get(Key(k.digest, "tenant-b")) is None  # same digest, other tenant: miss
+            assert tier.get(dataclasses.replace(k, tenant="tenant-b")) is None  # same digest, other tenant: miss
         s = tier.stats()
         assert s["hits"] == 2 and s["misses"] >= 4 and s["puts"] == 2 and s["corrupt"] == 0
 
 
-def test_config_maps_onto_lmcache_keys(tmp_path):
+def test_config_maps_onto_lmcache_keys(tmp_path, mac):
     """LMCache's from_defaults ignores unknown keys silently: check the ones we set took effect."""
-    disk = lmcache_config(LMCacheTierConfig("disk", max_bytes=3 << 30, disk_dir=tmp_path, mac_key=MAC))
+    disk = lmcache_config(LMCacheTierConfig("disk", max_bytes=3 << 30, disk_dir=tmp_path, mac_key=mac))
     assert disk.local_disk == str(tmp_path) and disk.max_local_disk_size == 3.0 and not disk.local_cpu
-    remote = lmcache_config(LMCacheTierConfig("remote", remote_url="redis://127.0.0.1:1", timeout_s=4, mac_key=MAC))
+    remote = lmcache_config(LMCacheTierConfig("remote", remote_url="redis://127.0.0.1:1", timeout_s=4, mac_key=mac))
     assert remote.remote_url.startswith("redis://127.0.0.1:1?socket_timeout=2.0")
     assert remote.blocking_timeout_secs == 4 and remote.remote_serde == "naive"
     for bad in (dict(kind="nope"), dict(kind="disk"), dict(kind="remote", remote_url="http://x:1"),
                 dict(kind="remote", remote_url="redis://nohostport"), dict(kind="cpu", mac_key=b""),
                 dict(kind="cpu", mac_key=b"short")):
         with pytest.raises(ConfigError):
-            LMCacheTierConfig(**{"mac_key": MAC, **bad})
+            LMCacheTierConfig(**{"mac_key": mac, **bad})
 
 
-def _put_under(tier, name_of: Key, e) -> None:
+def _put_under(tier, name_of, e, mac: bytes) -> None:
     """Store ``e``'s bytes (a good MAC, another key's header) under ``name_of``'s LMCache key: what a
     collision of two keys' 64-bit chunk hashes does (keyed, so a test cannot find one to make)."""
-    data = bytearray(encode_bytes(e, MAC))
+    data = bytearray(encode_bytes(e, mac))
     obj = tier._sm.allocate(torch.Size([len(data)]), torch.uint8)
     obj.tensor.reshape(-1).copy_(torch.frombuffer(data, dtype=torch.uint8))
     tier._sm.batched_put([tier._key(name_of)], [obj])
 
 
-def test_a_colliding_chunk_hash_is_a_miss_not_a_wrong_entry(tiers):
+def test_a_colliding_chunk_hash_is_a_miss_not_a_wrong_entry(tiers, mac, key, entry):
     """LMCache keys carry 64 bits of a key's keyed name; two keys equal in those bits (another model's
     span, say) meet in LMCache, and the full name in the entry header refuses the wrong one."""
     first, other = key("first"), key("other")
     for name in ("cpu", "disk", "redis"):
         tier = tiers[name]
-        _put_under(tier, other, entry(first, 16, seed=1))
+        _put_under(tier, other, entry(first, 16, seed=1), mac)
         assert tier.wait_visible(other)
         assert tier.get(other) is None, name
         assert tier.stats()["corrupt"] == 1, name
 
 
+# One disk tier in a process of its own: "write" stores the entry whose bytes are in the file, "read" writes
+# the bytes of what it reads back (nothing on a miss). The test holds the keys and entries; the child only
+# needs the key's digest.
 CHILD = """
-import sys, torch
-sys.path.insert(0, {here!r})
+import sys, time
 from pathlib import Path
-from kvhelpers import MAC, entry, key
+from types import SimpleNamespace
+from contextkit.kvstore.entry import decode, encode_bytes
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
-tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=Path({disk!r}), mac_key=MAC))
-k = key("shared")
-if sys.argv[1] == "write":
-    tier.put(k, entry(k, 50, seed=int(sys.argv[2])))
+op, disk, mac, digest, path = sys.argv[1], Path(sys.argv[2]), bytes.fromhex(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+k = SimpleNamespace(digest=digest, tenant="")
+tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=mac))
+if op == "write":
+    tier.put(k, decode(path.read_bytes(), k, mac))
     assert tier.wait_visible(k)
-    import time; time.sleep(0.5)
+    # visible may mean the other writer's file: exit only once this process's own write has left LMCache's
+    # queue (put queues it before it returns), so that the exit cuts no write off half-way
+    db, ck = tier._disk(), tier._key(k)
+    while db.exists_in_put_tasks(ck):
+        time.sleep(0.01)
 else:
     got = tier.get(k)
-    ok = got is not None and any(torch.equal(got.tensors["k"], entry(k, 50, seed=s).tensors["k"]) for s in (7, 8))
-    print("HIT" if ok else "MISS")
+    if got is not None:
+        path.write_bytes(encode_bytes(got, mac))
 tier.close()
 """
 
 
-def _child(disk: Path, *args: str, seed: str = "0") -> subprocess.Popen:
-    env = dict(os.environ, PYTHONHASHSEED=seed)  # different hash seeds: LMCache's hash() would disagree
-    code = CHILD.format(here=str(HERE), disk=str(disk))
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _child(op: str, disk: Path, mac: bytes, k, path: Path, *, hash_seed: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)  # different hash seeds: LMCache's hash() would disagree
+    return subprocess.Popen([sys.executable, "-c", CHILD, op, str(disk), mac.hex(), k.digest, str(path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_disk_tier_survives_a_restart_across_processes(tmp_path):
-    disk = tmp_path / "disk"
-    w = _child(disk, "write", "7", seed="1")
+def _write(disk: Path, mac: bytes, k, e, *, hash_seed: str) -> subprocess.Popen:
+    path = disk.parent / f"entry-{hash_seed}.bin"
+    path.write_bytes(encode_bytes(e, mac))
+    return _child("write", disk, mac, k, path, hash_seed=hash_seed)
+
+
+def _read(disk: Path, mac: bytes, k, *, hash_seed: str):
+    """What a new process reads from the disk tier under ``k`` (None: a miss)."""
+    path = disk.parent / f"read-{hash_seed}.bin"
+    proc = _child("read", disk, mac, k, path, hash_seed=hash_seed)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    return decode(path.read_bytes(), k, mac) if path.exists() else None
+
+
+def test_disk_tier_survives_a_restart_across_processes(tmp_path, mac, key, entry, same):
+    disk, k = tmp_path / "disk", key("shared")
+    w = _write(disk, mac, k, entry(k, 50, seed=7), hash_seed="1")
     assert w.wait(120) == 0, w.stderr.read()
-    r = _child(disk, "read", seed="2")  # a new process, another PYTHONHASHSEED
-    out, err = r.communicate(timeout=120)
-    assert r.returncode == 0 and out.strip().endswith("HIT"), err[-2000:]
+    assert same(_read(disk, mac, k, hash_seed="2"), entry(k, 50, seed=7))  # a new process, another hash seed
 
 
-def test_two_processes_writing_one_key_leave_one_good_entry(tmp_path):
-    disk = tmp_path / "disk"
-    procs = [_child(disk, "write", "7", seed="3"), _child(disk, "write", "8", seed="4")]
+def test_two_processes_writing_one_key_leave_one_good_entry(tmp_path, mac, key, entry, same):
+    disk, k = tmp_path / "disk", key("shared")
+    procs = [_write(disk, mac, k, entry(k, 50, seed=7), hash_seed="3"),
+             _write(disk, mac, k, entry(k, 50, seed=8), hash_seed="4")]
     for p in procs:
         assert p.wait(120) == 0, p.stderr.read()
     assert len(list(disk.glob("*.pt"))) == 1 and not list(disk.glob(".tmp-*"))
-    out, err = _child(disk, "read", seed="5").communicate(timeout=120)
-    assert out.strip().endswith("HIT"), err[-2000:]
+    got = _read(disk, mac, k, hash_seed="5")
+    assert same(got, entry(k, 50, seed=7)) or same(got, entry(k, 50, seed=8))  # one writer's, whole
 
 
-def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp_path):
+def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp_path, mac, key, entry, same):
     disk = tmp_path / "disk"
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=mac))
     try:
         ks = [key(f"f{i}") for i in range(3)]
         for i, k in enumerate(ks):
@@ -160,7 +179,7 @@ def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp
     files[ks[0]].write_bytes(bytes(data))
     files[ks[1]].write_bytes(files[ks[1]].read_bytes()[:1000])  # truncated (a crash mid-write)
     (disk / ".tmp-dead.part").write_bytes(b"partial")  # an atomic write that never finished
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=mac))
     try:
         assert not (disk / ".tmp-dead.part").exists()
         assert tier.get(ks[0]) is None and tier.get(ks[1]) is None
@@ -173,13 +192,13 @@ def test_corrupt_truncated_and_half_written_files_are_dropped_and_recomputed(tmp
         tier.close()
 
 
-def test_disk_full_is_a_miss_not_a_crash(tmp_path):
+def test_disk_full_is_a_miss_not_a_crash(tmp_path, mac, key, entry, same):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (CI runs as root)")
     try:
-        tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=mnt, mac_key=MAC))
+        tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=mnt, mac_key=mac))
         try:
             big, small = key("big"), key("small")
             tier.put(big, entry(big, 200))  # ~4.6 MB of KV on a 1 MB filesystem: the write fails
@@ -200,9 +219,11 @@ def test_disk_full_is_a_miss_not_a_crash(tmp_path):
 
 
 @pytest.mark.parametrize("make", [redis_server, lmcache_server], ids=["redis", "lmcache_server"])
-def test_remote_down_at_start_killed_mid_run_and_back(make):
+def test_remote_down_at_start_killed_mid_run_and_back(make, mac, key, entry, same):
     port = free_port()
-    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.5, mac_key=MAC))
+    # retry_after_s=0: a down tier probes on every call, so each step below sees the server as it is now
+    # (no waiting out a back-off window between the steps)
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.0, mac_key=mac))
     try:
         k = key("remote")
         e = entry(k, 50)
@@ -211,15 +232,13 @@ def test_remote_down_at_start_killed_mid_run_and_back(make):
         assert tier.stats()["errors"] >= 1 and tier.stats()["down"]
         server = make(port).start()
         try:
-            time.sleep(0.6)  # past retry_after_s: the next call probes and reconnects
-            assert finishes(lambda: tier.contains(k)) is False
+            assert finishes(lambda: tier.contains(k)) is False  # the call probes, reconnects and asks
             tier.put(k, e)
             assert tier.wait_visible(k) and same(tier.get(k), e)
             server.kill()  # SIGKILL mid-run
             assert finishes(lambda: tier.get(k)) is None  # a miss, at once or after the deadline
             finishes(lambda: tier.put(k, e))
             server = make(port).start()  # back (empty: it kept nothing)
-            time.sleep(0.6)
             assert finishes(lambda: tier.get(k)) is None
             tier.put(k, e)
             assert tier.wait_visible(k) and same(tier.get(k), e)
@@ -229,7 +248,7 @@ def test_remote_down_at_start_killed_mid_run_and_back(make):
         finishes(tier.close, 30)  # the Redis close deadlock is worked around: returns
 
 
-def test_delete_on_every_tier_that_supports_it(tiers):
+def test_delete_on_every_tier_that_supports_it(tiers, key, entry):
     for name in ("cpu", "disk", "redis"):
         k = key(f"del-{name}")
         tiers[name].put(k, entry(k, 8))
@@ -239,11 +258,11 @@ def test_delete_on_every_tier_that_supports_it(tiers):
     assert tiers["lm"].delete(key("x")) is False  # lmcache_server has no delete command
 
 
-def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tmp_path):
+def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tmp_path, mac, key, entry):
     """A get hands out views of LMCache's pool buffer without a copy. The buffer returns to the pool
     when the last tensor over it is freed, so a small pool serves many gets, and a tensor someone still
     holds is never overwritten by a later get."""
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, pool_bytes=32 << 20, mac_key=MAC))  # ~6 entries
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, pool_bytes=32 << 20, mac_key=mac))  # ~6 entries
     try:
         ks = [key(f"b{i}") for i in range(3)]
         for i, k in enumerate(ks):
@@ -264,15 +283,13 @@ def test_borrowed_buffers_go_back_to_the_pool_and_never_change_under_a_reader(tm
         finishes(tier.close, 30)
 
 
-def test_forged_entries_are_never_served(tmp_path):
+def test_forged_entries_are_never_served(tmp_path, mac, key, entry, same):
     """Whoever can write the shared bytes but lacks the deployment's secret cannot get an entry served:
     a copied header over swapped tensors with a recomputed checksum fails the MAC, is dropped, counted
     and recomputed; a tier keyed by another deployment's secret reads nothing of ours."""
-    from contextkit.kvstore.entry import decode, encode_bytes
-
     disk = tmp_path / "disk"
     k = key("victim")
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=mac))
     try:
         tier.put(k, entry(k, 40, seed=1))
         assert tier.wait_visible(k)
@@ -282,7 +299,7 @@ def test_forged_entries_are_never_served(tmp_path):
     forged = encode_bytes(entry(k, 40, seed=99), bytes(32))  # valid layout and checksum, attacker's key
     assert decode(forged, k, bytes(32)).meta.digest == k.digest  # well-formed: only the MAC gives it away
     path.write_bytes(forged)
-    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=MAC))
+    tier = LMCacheTier(LMCacheTierConfig("disk", disk_dir=disk, mac_key=mac))
     try:
         assert tier.get(k) is None and tier.stats()["corrupt"] == 1 and not path.exists()
         tier.put(k, entry(k, 40, seed=1))  # recomputed
@@ -296,30 +313,28 @@ def test_forged_entries_are_never_served(tmp_path):
         other.close()
 
 
-def test_encrypted_entries_at_rest(tmp_path, redis_url):
+def test_encrypted_entries_at_rest(tmp_path, redis_url, mac, key, entry, same):
     """With an encryption key the stored bytes hold no plaintext tensor or token id; they read back
     exactly through the same tier, and a tier without the key (or with another one) reads a miss, counted
     as corrupt, never the bytes as tensors."""
-    from contextkit.kvstore.entry import decode, encode_bytes
-
     enc = bytes(range(100, 132))
     k = key("secret-doc", "acme")
     e = entry(k, 48, seed=3)
-    blob = encode_bytes(e, MAC, enc)
-    plain = encode_bytes(e, MAC)
+    blob = encode_bytes(e, mac, enc)
+    plain = encode_bytes(e, mac)
     k_bytes = e.tensors["k"].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
     ids_bytes = e.tensors["token_ids"].numpy().tobytes()
     assert k_bytes[:256] in plain and k_bytes[:256] not in blob and ids_bytes[8:64] not in blob
-    assert same(decode(blob, k, MAC, enc_key=enc), e) and not decode(blob, k, MAC, enc_key=enc).borrowed
+    assert same(decode(blob, k, mac, enc_key=enc), e) and not decode(blob, k, mac, enc_key=enc).borrowed
     for wrong in (None, bytes(32)):
         with pytest.raises(Exception, match="encrypted|decrypt"):
-            decode(blob, k, MAC, enc_key=wrong)
+            decode(blob, k, mac, enc_key=wrong)
     flipped = bytearray(blob)
     flipped[len(flipped) // 2] ^= 1
     with pytest.raises(Exception, match="MAC"):
-        decode(bytes(flipped), k, MAC, enc_key=enc)
-    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC, enc_key=enc))
-    other = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=MAC))
+        decode(bytes(flipped), k, mac, enc_key=enc)
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac, enc_key=enc))
+    other = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac))
     try:
         tier.put(k, e)
         assert tier.wait_visible(k)
@@ -330,7 +345,7 @@ def test_encrypted_entries_at_rest(tmp_path, redis_url):
         other.close()
 
 
-def test_batched_calls_answer_as_single_ones_do_and_a_spent_deadline_asks_nothing(tiers):
+def test_batched_calls_answer_as_single_ones_do_and_a_spent_deadline_asks_nothing(tiers, key, entry, same):
     """contains_many / get_many (the KV connector's one call per request or step) on every backend: the
     same answers as contains / get, and a remote tier with no time left answers misses without a call."""
     from contextkit.kvstore.deadline import Deadline

@@ -13,17 +13,14 @@ from contextkit.core.config import KVStoreConfig
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 from contextkit.kvstore.memory import MemoryTier
-from contextkit.kvstore.tiered import TieredStore, build_store
-
-from kvhelpers import MAC, entry, key, same
-
 from contextkit.kvstore.metrics import StoreCollector
+from contextkit.kvstore.tiered import TieredStore, build_store
 
 pytestmark = pytest.mark.slow
 
 
-def test_promotion_on_hit_and_write_through(tmp_path):
-    disk = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, mac_key=MAC))
+def test_promotion_on_hit_and_write_through(tmp_path, mac, key, entry, same):
+    disk = LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp_path, mac_key=mac))
     mem = MemoryTier()
     with TieredStore([mem, disk]) as store:
         k, e = key("a"), entry(key("a"), 32)
@@ -39,8 +36,8 @@ def test_promotion_on_hit_and_write_through(tmp_path):
         assert store.delete(k) and not store.contains(k)
 
 
-def test_build_store_and_bad_config(tmp_path, redis_url):
-    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url), MAC)
+def test_build_store_and_bad_config(tmp_path, redis_url, mac):
+    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url), mac)
     try:
         assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
     finally:
