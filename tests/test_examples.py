@@ -1,23 +1,31 @@
-"""Every script in examples/ runs as a user would copy it, and says something sensible."""
+"""Every script in examples/ runs as a user would copy it, and says something sensible (one test per script,
+so a failure names the script and the others still run)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
 
-def test_every_example_runs(repo, config, smol_dir):
-    scripts = sorted((repo / "examples").glob("*.py"))
-    assert scripts
+
+def test_the_examples_folder_has_scripts():
+    # an empty parameter list would skip test_example_runs quietly (a moved folder, say): fail instead
+    assert SCRIPTS, f"no example scripts in {EXAMPLES}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs(script, repo, config, smol_dir):
     env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(config.cache_dir))
-    for script in scripts:
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
-                              cwd=repo)
-        assert proc.returncode == 0, (script.name, proc.stderr)
-        answer, _, stats = proc.stdout.rpartition("\n[")
-        assert answer.strip() and "prompt tokens" in stats, (script.name, proc.stdout)
+    proc = subprocess.run([sys.executable, str(repo / "examples" / script)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    answer, _, stats = proc.stdout.rpartition("\n[")
+    assert answer.strip() and "prompt tokens" in stats, proc.stdout

@@ -28,7 +28,10 @@ def test_bench_proxy_small_run(tmp_path, vllm_url, cli, trace_requests):
         # interval contains the proxy's upstream interval (one monotonic clock), so the overhead is >= 0
         assert row["matched"] == row["requests"] == 4
         assert 0 <= row["overhead_ms_p50"] <= row["overhead_ms_p99"]
-        assert row["proxy_ms_p50"] is not None and row["proxy_cpu_ms_per_request"] >= 0  # 10 ms clock ticks
+        # the proxy's own part (arrival to forwarding upstream) lies inside the overhead the client saw,
+        # request by request, so its median does too (0.01: both are rounded to 3 decimals)
+        assert row["proxy_ms_p50"] is not None and row["proxy_ms_p50"] <= row["overhead_ms_p50"] + 0.01
+        assert row["proxy_cpu_ms_per_request"] is not None  # read from the proxy's /proc (10 ms ticks: may be 0)
     s = result["summary"]
     assert {"overhead_ms_p50", "overhead_ms_p99", "errors", "docs_ttft_reduction_vs_direct", "rss_growth"} <= set(s)
     assert s["errors"] == 0 and s["soak_requests"] > 0

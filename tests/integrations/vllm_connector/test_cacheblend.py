@@ -82,15 +82,19 @@ def test_valid_settings_are_kept():
     cfg = CacheBlendConfig(recompute_ratio=1, check_layers=[3], remote_url="redis://cache:6379")
     assert cfg.check_layers == (3,)  # a list from a config file becomes the hashable tuple
     assert hash(cfg) == hash(CacheBlendConfig(recompute_ratio=1, check_layers=(3,), remote_url="redis://cache:6379"))
-    assert CacheBlendConfig().separator == DEFAULT_SEPARATOR
     with pytest.raises(AttributeError):
         cfg.recompute_ratio = 0.5  # frozen
 
 
 def test_default_separator_is_lmcaches_default():
+    """A default config hands LMCache the separator LMCache itself defaults to, so prompts written for
+    LMCache's CacheBlend examples split the same way under ours."""
     from lmcache.v1.config import LMCacheEngineConfig
 
-    assert LMCacheEngineConfig.from_defaults().blend_special_str == DEFAULT_SEPARATOR
+    lmcache_default = LMCacheEngineConfig.from_defaults().blend_special_str
+    assert DEFAULT_SEPARATOR == lmcache_default
+    ours = LMCacheEngineConfig.from_defaults(**lmcache_settings(CacheBlendConfig()))
+    assert ours.blend_special_str == lmcache_default
 
 
 # ---------------------------------------------------------------- LMCache's config class
