@@ -341,6 +341,15 @@ def metric(url: str, name: str) -> float:
                if s.name == name + "_total" or (s.name == name and fam.type != "counter"))
 
 
+LOAD_COUNTERS = ("vllm:external_prefix_cache_hits", "contextkit_connector_loaded_tokens",
+                 "contextkit_connector_load_failures")
+
+
+def load_counters(url: str) -> dict[str, float]:
+    """A server's external cache hits (vLLM's count) and its connector's loaded tokens and failures."""
+    return {name: metric(url, name) for name in LOAD_COUNTERS}
+
+
 def top_logprob(resp: dict) -> dict[str, float]:
     return resp["choices"][0]["logprobs"]["top_logprobs"][0]
 
@@ -415,7 +424,8 @@ def test_second_server_loads_what_the_first_computed_and_tenants_stay_apart(kv, 
     warm = complete(kv.b.url, ids, "tenant-1")
     assert cached(warm) == full * BS  # every full block but the one holding the last token, from Redis
     assert warm["kv_transfer_params"]["contextkit"]["loaded_tokens"] == full * BS
-    _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120)
+    _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120,
+          lambda: f"B's external hits {metric(kv.b.url, 'vllm:external_prefix_cache_hits')}, before {hits0}")
     # the loaded KV gives the same next-token distribution as A computing it (one engine build, bf16)
     lp_cold, lp_warm = top_logprob(cold), top_logprob(warm)
     best = max(lp_cold, key=lp_cold.get)
@@ -435,10 +445,25 @@ def test_restart_loads_from_the_store_and_corrupt_entries_are_recomputed(kv, smo
     wait_saved(kv.remote, keys)
     kv.a.stop()
     kv.a = kv.server("a", kv.a_cfg).start()  # same disk tier, empty prefix cache
+    # a new server counts only what it did: servers launched from one process once shared its
+    # PROMETHEUS_MULTIPROC_DIR (set by an LMCache tier), and the restarted A reported the old A's and B's
+    # loads as its own (CI: 2048 external hits = its 768 + B's 1280; launchers/vllm_server.py)
+    before = load_counters(kv.a.url)
+    assert before == dict.fromkeys(LOAD_COUNTERS, 0.0), f"a new server starts with counts: {before}"
     warm = complete(kv.a.url, ids, "tenant-r")
     assert cached(warm) == full * BS
-    _wait(lambda: metric(kv.a.url, "vllm:external_prefix_cache_hits") == full * BS, 120,
-          lambda: f"external hits {metric(kv.a.url, 'vllm:external_prefix_cache_hits')} != {full * BS}")
+    assert warm["kv_transfer_params"]["contextkit"]["loaded_tokens"] == full * BS
+    # every full block loaded from the disk tier, none failed; the counters come with the step's output
+    want = {"vllm:external_prefix_cache_hits": full * BS, "contextkit_connector_loaded_tokens": full * BS,
+            "contextkit_connector_load_failures": 0}
+    seen = [before]
+
+    def moved() -> bool:
+        seen.append(load_counters(kv.a.url))
+        return all(seen[-1][k] - before[k] >= want[k] for k in want)
+
+    _wait(moved, 120, lambda: f"counters before {before}, last seen {seen[-1]}, wanted deltas {want}")
+    assert {k: seen[-1][k] - before[k] for k in want} == want, (before, seen[-1])
 
     # an entry that fails its MAC is never served: corrupt every disk file, empty Redis, reset the cache
     ids2 = prompt_of(smol_dir, passage_text[9000:], 10 * BS + 3)
@@ -457,7 +482,8 @@ def test_restart_loads_from_the_store_and_corrupt_entries_are_recomputed(kv, smo
     failures0 = metric(kv.a.url, "contextkit_connector_load_failures")
     loaded0 = metric(kv.a.url, "contextkit_connector_loaded_tokens")
     again = complete(kv.a.url, ids2, "tenant-c")  # answered: vLLM recomputed what failed to load
-    _wait(lambda: metric(kv.a.url, "contextkit_connector_load_failures") > failures0, 30)  # scraped per step
+    _wait(lambda: metric(kv.a.url, "contextkit_connector_load_failures") > failures0, 120,  # with the step's output
+          lambda: f"load failures {metric(kv.a.url, 'contextkit_connector_load_failures')}, before {failures0}")
     assert metric(kv.a.url, "contextkit_connector_loaded_tokens") == loaded0  # nothing of it was written
     lp0, lp1 = top_logprob(computed), top_logprob(again)
     best = max(lp0, key=lp0.get)
@@ -552,7 +578,8 @@ def test_a_request_routed_to_the_other_server_loads_what_the_first_computed(pic_
     assert again["contextkit"]["upstream"] == other.name
     assert again["choices"][0]["prompt_token_ids"] == ids  # the same prompt, token for token
     assert again["contextkit"]["cached_tokens"] == full * BS
-    _wait(lambda: metric(other.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120)
+    _wait(lambda: metric(other.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120,
+          lambda: f"external hits {metric(other.url, 'vllm:external_prefix_cache_hits')}, before {hits0}")
 
 
 def test_kv_transfer_params_cannot_choose_the_connectors_namespace(kv, smol_dir, passage_text):
