@@ -1,4 +1,4 @@
-"""Fixtures of the integration tests: a recording hop in front of vLLM, a keyed serve, an open proxy."""
+"""Fixtures of the integration tests: a recording hop in front of vLLM (root conftest: a keyed serve, an open proxy)."""
 
 from __future__ import annotations
 
@@ -47,30 +47,3 @@ def recorder(vllm_url):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield handler, f"http://127.0.0.1:{srv.server_port}"
     srv.shutdown()
-
-
-@pytest.fixture(scope="session")
-def keyed_serve(config, app_thread):
-    """``contextkit serve`` on the default model with one API key (tenant ``acme``), no rate limit:
-    (url, key, kit). Shared by the SDK and adapter tests."""
-    from contextkit.core.tenancy import Tenancy
-    from contextkit.integrations.edge.ratelimit import RateLimit
-    from contextkit.integrations.serve.app import ServeLimits, create_serve_app
-    from contextkit.kit import ContextKit
-
-    kit = ContextKit(config)
-    key = "key-sdk-tests-0001"
-    with app_thread(create_serve_app(kit, "smol-sdk", Tenancy({key: "acme"}), ServeLimits(rate=RateLimit()))) as s:
-        yield s.url, key, kit
-    kit.close()
-
-
-@pytest.fixture(scope="session")
-def open_proxy(vllm_url, config, app_thread):
-    """``contextkit proxy`` in front of the real vLLM, open on loopback with client-chosen tenants: its URL."""
-    from contextkit.integrations.proxy.app import create_app
-    from contextkit.integrations.proxy.settings import ProxySettings
-
-    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60, allow_client_tenant=True)
-    with app_thread(create_app(settings)) as p:
-        yield p.url
