@@ -34,6 +34,7 @@ def test_few_rows_or_rows_that_see_everything_make_one_call():
     assert _row_chunks(torch.ones(600, 500, dtype=torch.bool)) is None  # nothing to cut
 
 
+@pytest.mark.slow  # the slowest of the fast tier (a real model, both dtypes)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_recomputing_scattered_rows_matches_one_masked_call(smol_dir, dtype, monkeypatch):
     """Overwriting 60% of a 900-token cache in place, chunked and unchunked, gives the same KV and logits."""
