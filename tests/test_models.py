@@ -50,7 +50,7 @@ def test_corrupt_gguf_is_a_clear_error_and_leaves_nothing(tmp_path, damage):
     assert leftovers == []  # no half-written model directory
 
 
-@pytest.mark.slow  # prepares the default model again from scratch
+@pytest.mark.slow  # converts the default model from its GGUF, twice
 def test_stale_partial_directory_is_replaced(tmp_path, smol_dir):
     # A directory without a manifest (e.g. a crash mid-copy by an older version) is rebuilt, not used.
     src = REGISTRY["smollm2-135m-instruct"].gguf_files()[0]
