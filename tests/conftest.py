@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from contextkit.bench.workload import TraceDoc, TraceRequest
 from contextkit.core.config import ContextKitConfig
 from contextkit.core.models import prepare
+from contextkit.integrations.launchers.process import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -246,3 +251,30 @@ def trace_requests(repo, shared_data):
         return out
 
     return make
+
+
+@pytest.fixture(scope="session")
+def keyed_serve(config, app_thread):
+    """``contextkit serve`` on the default model with one API key (tenant ``acme``), no rate limit:
+    (url, key, kit). Shared by the SDK and adapter tests."""
+    from contextkit.core.tenancy import Tenancy
+    from contextkit.integrations.edge.ratelimit import RateLimit
+    from contextkit.integrations.serve.app import ServeLimits, create_serve_app
+    from contextkit.kit import ContextKit
+
+    kit = ContextKit(config)
+    key = "key-sdk-tests-0001"
+    with app_thread(create_serve_app(kit, "smol-sdk", Tenancy({key: "acme"}), ServeLimits(rate=RateLimit()))) as s:
+        yield s.url, key, kit
+    kit.close()
+
+
+@pytest.fixture(scope="session")
+def open_proxy(vllm_url, config, app_thread):
+    """``contextkit proxy`` in front of the real vLLM, open on loopback with client-chosen tenants: its URL."""
+    from contextkit.integrations.proxy.app import create_app
+    from contextkit.integrations.proxy.settings import ProxySettings
+
+    settings = ProxySettings(upstreams=[vllm_url], cache_dir=config.cache_dir, timeout_s=60, allow_client_tenant=True)
+    with app_thread(create_app(settings)) as p:
+        yield p.url
