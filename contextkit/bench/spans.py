@@ -36,7 +36,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 
 from contextkit.bench.data import SHARED_MULTIHOP, QARecord, load_records, sample, split, with_distractors
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
@@ -44,7 +43,7 @@ from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
-from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.generate import generate
