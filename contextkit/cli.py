@@ -236,6 +236,7 @@ def proxy(
     upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
     rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
     kv_connector: Annotated[Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: contextkit (span reuse, contextkit.reuse = {\"policy\": \"none\"}), cacheblend (LMCache's, {\"policy\": \"kv_deviation\"}), none.")] = None,
+    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer from any address; without it /metrics answers loopback only when clients need keys. Prefer the environment variable: a flag shows in ps.")] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -256,7 +257,8 @@ def proxy(
                                    block_size=block_size, model=model, api_keys_file=api_keys_file,
                                    allow_client_tenant=allow_client_tenant,
                                    upstream_api_key=upstream_api_key, rate_per_s=rate and rate.rate_per_s,
-                                   rate_burst=rate and rate.burst, kv_connector=kv_connector).items()
+                                   rate_burst=rate and rate.burst, kv_connector=kv_connector,
+                                   metrics_key=metrics_key).items()
              if v is not None}
     try:
         settings = load_settings(config, **flags)

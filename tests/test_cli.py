@@ -74,6 +74,11 @@ def test_servers_without_keys_stay_on_loopback(cli, one_line_error):
     one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0"), "API keys")
 
 
+def test_proxy_metrics_key_flag_is_checked(cli, one_line_error):
+    """--metrics-key reaches the proxy's settings (the 403 of /metrics names it): a short key is refused."""
+    one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--metrics-key", "short"), "metrics_key")
+
+
 def test_connector_prints_the_transfer_config_a_server_needs(tmp_path, cli, one_line_error):
     from contextkit.integrations.vllm_connector import ConnectorSettings
 
