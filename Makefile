@@ -1,5 +1,5 @@
 # Quick start: `make run` (answer the example question on the embedded default model), `make test`
-# (everything, with vLLM and the services), `make test-fast` (no vLLM, nothing slow: a few minutes).
+# (everything, with vLLM and the services), `make test-fast` (no vLLM, nothing slow).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -45,8 +45,8 @@ test: venv services-deps
 	$(BIN)/python tools/lint_layers.py
 	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q --durations=25
 
-# The quick check while editing (a few minutes on 2 cores): the layer contracts, then every test that needs
-# no vLLM server and is not marked slow. tests/conftest.py marks a test `vllm` when it uses a fixture that
+# The quicker check while editing: the layer contracts, then every test that needs no vLLM server and is
+# not marked slow (the real models still load: 15 min measured on a loaded 2-core box; the aim is 3). tests/conftest.py marks a test `vllm` when it uses a fixture that
 # starts or reaches vLLM; `slow` (a real model loaded, a subprocess, a long run) is set in the test files.
 # No services are started: a test here that needs Redis or lmcache_server starts its own on loopback.
 # `make test` still runs everything.
