@@ -46,8 +46,9 @@ test: venv services-deps
 	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q --durations=25
 
 # The quicker check while editing: the layer contracts, then every test that needs no vLLM server and is
-# not marked slow (the real models still load: 15 min measured on a loaded 2-core box; the aim is 3). tests/conftest.py marks a test `vllm` when it uses a fixture that
-# starts or reaches vLLM; `slow` (a real model loaded, a subprocess, a long run) is set in the test files.
+# not marked slow (the real models still load: 15 min measured on a loaded 2-core box; the aim is 3).
+# tests/conftest.py marks a test `vllm` when it uses a fixture that starts or reaches vLLM; `slow` (a
+# real model loaded, a subprocess, a long run) is set in the test files.
 # No services are started: a test here that needs Redis or lmcache_server starts its own on loopback.
 # `make test` still runs everything.
 test-fast: venv
