@@ -12,6 +12,7 @@ def _prepared(smol_dir):
     """The CLI reuses the session's prepared model (same cache dir)."""
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_generate_answers_the_example_question(cli):
     proc = cli("generate", "--input", "examples/question.json", "--max-new-tokens", "48")
     assert proc.returncode == 0, proc.stderr
@@ -19,6 +20,7 @@ def test_generate_answers_the_example_question(cli):
     assert "prompt tokens" in proc.stderr
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_generate_from_stdin_json_and_document_files(tmp_path, cli):
     doc = tmp_path / "note.txt"
     doc.write_text("The secret code word is pineapple.")
@@ -32,6 +34,7 @@ def test_unknown_model(cli, one_line_error):
     one_line_error(cli("generate", "hi", "--model", "no-such-model"), "unknown model", "known models")
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_empty_inputs(tmp_path, cli, one_line_error):
     empty = tmp_path / "empty.json"
     empty.write_text("")
@@ -50,6 +53,7 @@ def test_malformed_json(tmp_path, cli, one_line_error):
     one_line_error(cli("generate", "--input", str(bad)), "not valid JSON")
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_prompt_longer_than_context(tmp_path, passage_text, cli, one_line_error):
     long = tmp_path / "long.json"
     long.write_text(json.dumps({"documents": [passage_text * 4], "question": "Summarise."}))
@@ -69,6 +73,7 @@ def test_models_list_shows_prepared_default(smol_dir, cli):
     assert "smollm2-135m-instruct" in proc.stdout and "gemma3-270m" in proc.stdout
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_servers_without_keys_stay_on_loopback(cli, one_line_error):
     one_line_error(cli("serve", "--host", "0.0.0.0", "--port", "1"), "API keys", "127.0.0.1")
     one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--host", "0.0.0.0"), "API keys")
@@ -79,6 +84,7 @@ def test_proxy_metrics_key_flag_is_checked(cli, one_line_error):
     one_line_error(cli("proxy", "--upstream", "http://127.0.0.1:9", "--metrics-key", "short"), "metrics_key")
 
 
+@pytest.mark.slow  # subprocesses that load the model or start a server
 def test_connector_prints_the_transfer_config_a_server_needs(tmp_path, cli, one_line_error):
     from contextkit.integrations.vllm_connector import ConnectorSettings
 

@@ -23,6 +23,7 @@ def small(tmp_path_factory, shared_data):
     return records, Retriever(passage_pool(records), cache), cache
 
 
+@pytest.mark.slow  # loads the embedder and builds the index
 def test_retrieval_finds_the_question_own_passages(small):
     records, retriever, cache = small
     hits = retriever.search([r.question for r in records], k=10)

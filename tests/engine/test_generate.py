@@ -28,6 +28,7 @@ def prompt(smol):
     return Planner(tok).plan(ChatRequest.ask("Who built the Eiffel Tower?", docs)).ids
 
 
+@pytest.mark.slow  # long generations
 def test_greedy_matches_transformers_generate(smol, prompt):
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +51,7 @@ def test_stops_at_eos(smol, prompt):
     assert "Eiffel" in g.text
 
 
+@pytest.mark.slow  # long generations
 def test_min_new_tokens_holds_off_eos_and_stop_strings(smol, prompt):
     """vLLM's ``min_tokens``: the answer that ends at EOS goes on past it, and a stop string inside the
     first tokens does not cut it; past the minimum both end it again."""
@@ -67,6 +69,7 @@ def test_min_new_tokens_holds_off_eos_and_stop_strings(smol, prompt):
         SamplingParams(max_new_tokens=4, min_new_tokens=5)
 
 
+@pytest.mark.slow  # long generations
 def test_stop_string_cuts_text_and_streaming_never_leaks_it(smol, prompt):
     engine, tok, _ = smol
     free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=40))
@@ -90,6 +93,7 @@ def test_streamed_deltas_add_up_to_the_text(smol, prompt):
     assert "".join(deltas) == run.result.text
 
 
+@pytest.mark.slow  # long generations
 def test_sampling_is_seeded_and_respects_top_k(smol, prompt):
     engine, tok, _ = smol
     p = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=())

@@ -12,6 +12,8 @@ import torch
 
 from contextkit.engine.model import Engine
 
+pytestmark = pytest.mark.slow  # both models against transformers, layer by layer: make test, not test-fast
+
 TOL = 1e-3
 REAL = ["smollm2", "gemma3"]
 TINY = ["llama3-scaled", "llama-linear", "qwen2", "qwen3"]

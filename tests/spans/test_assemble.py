@@ -211,6 +211,7 @@ def test_bad_plans_get_clear_errors(smol):
         cache.assemble(RequestPlan(long_items))
 
 
+@pytest.mark.slow  # the second model
 def test_gemma_spans_reposition_per_layer_geometry(gemma_dir, passage_text):
     # Gemma 3 rotates local (sliding) and global layers with different bases: both must re-rotate.
     engine, tok = Engine.from_dir(gemma_dir), Tokenizer(gemma_dir)
