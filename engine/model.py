@@ -106,35 +106,13 @@ class Engine:
             raise KVCacheError("forward() needs at least one token")
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise KVCacheError(f"token ids must be in [0, {self.spec.vocab_size}); got {ids.min()}..{ids.max()}")
-        if positions is None:
-            if slots is not None:
-                raise KVCacheError("forward(slots=...) needs explicit positions")
-            pos = torch.arange(n, dtype=torch.long) + cache.next_position
-        else:
-            pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
-            if pos.numel() != n:
-                raise KVCacheError(f"{n} tokens but {pos.numel()} positions")
-        if int(pos.min()) < 0 or int(pos.max()) >= self.spec.max_positions:
-            raise PromptTooLongError(
-                f"position {int(pos.max())} is outside the model's context of {self.spec.max_positions} tokens; "
-                "shorten the prompt or lower max_new_tokens"
-            )
+        pos = self._positions(cache, n, positions, slots)
         if cache.k.dtype != self.dtype or cache.k.shape[0] != self.spec.num_layers:
             raise KVCacheError("this cache was allocated for another model or dtype; use Engine.new_cache()")
         if stop_after is not None and not 0 < stop_after <= self.spec.num_layers:
             raise KVCacheError(f"stop_after must be in 1..{self.spec.num_layers}, got {stop_after}")
 
-        # Rows whose final hidden state is needed. The last layer runs attention and MLP only for
-        # them: its K/V (all that later tokens read) come from the layer's input, so skipping the
-        # other rows there is exact and saves ~1/num_layers of a prefill.
-        if isinstance(logits, str):
-            if logits not in ("last", "all", "none"):
-                raise KVCacheError(f"logits must be 'last', 'all', 'none' or an index tensor, got {logits!r}")
-            keep = None if logits == "all" else torch.arange(n - 1, n) if logits == "last" else torch.arange(0)
-        else:
-            keep = torch.as_tensor(logits, dtype=torch.long).reshape(-1) % n
-        if stop_after is not None:
-            keep = None
+        keep = self._kept_rows(logits, n, stop_after)
 
         where, q_slots, end = self._place(cache, n, slots)
         cache.positions[where] = pos
@@ -152,6 +130,41 @@ class Engine:
         if self._head32 is not None:
             return F.linear(w.final_norm(x.float()), self._head32)
         return F.linear(w.final_norm(x), w.lm_head)
+
+    def _positions(
+        self, cache: KVCache, n: int, positions: torch.Tensor | Sequence[int] | None,
+        slots: torch.Tensor | Sequence[int] | None,
+    ) -> torch.Tensor:
+        """(n,) RoPE positions of the new tokens: as given, or continuing the cache; checked against the context."""
+        if positions is None:
+            if slots is not None:
+                raise KVCacheError("forward(slots=...) needs explicit positions")
+            pos = torch.arange(n, dtype=torch.long) + cache.next_position
+        else:
+            pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+            if pos.numel() != n:
+                raise KVCacheError(f"{n} tokens but {pos.numel()} positions")
+        if int(pos.min()) < 0 or int(pos.max()) >= self.spec.max_positions:
+            raise PromptTooLongError(
+                f"position {int(pos.max())} is outside the model's context of {self.spec.max_positions} tokens; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+        return pos
+
+    @staticmethod
+    def _kept_rows(logits: LogitsSelect, n: int, stop_after: int | None) -> torch.Tensor | None:
+        """Rows whose final hidden state is needed (None: all). The last layer runs attention and MLP only
+        for them: its K/V (all that later tokens read) come from the layer's input, so skipping the other
+        rows there is exact and saves ~1/num_layers of a prefill."""
+        if isinstance(logits, str):
+            if logits not in ("last", "all", "none"):
+                raise KVCacheError(f"logits must be 'last', 'all', 'none' or an index tensor, got {logits!r}")
+            keep = None if logits == "all" else torch.arange(n - 1, n) if logits == "last" else torch.arange(0)
+        else:
+            keep = torch.as_tensor(logits, dtype=torch.long).reshape(-1) % n
+        if stop_after is not None:
+            keep = None
+        return keep
 
     @staticmethod
     def _place(

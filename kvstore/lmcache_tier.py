@@ -37,13 +37,7 @@ CPU machine, each worked around here and tested (tests/kvstore):
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import concurrent.futures
 import os
-import shutil
-import socket
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -52,15 +46,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contextkit.core.errors import ConfigError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.kvstore.deadline import Deadline
-from contextkit.core.errors import CorruptEntryError
-from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, StoreNames, decode, encode
+from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, decode, encode
+from contextkit.kvstore.lmcache_backend import (
+    BACKEND,
+    atomic_disk_writes,
+    chunk_hash,
+    engine_key,
+    lmcache_config,
+    patch_redis_close,
+    private_prometheus_dir,
+    register_disk_file,
+    reload_disk_dir,
+    tenant_tag,
+)
+from contextkit.kvstore.lmcache_remote import RemoteHealth
 
-_BACKEND = {"cpu": "LocalCPUBackend", "disk": "LocalDiskBackend", "remote": "RemoteBackend"}
-_patch_lock = threading.Lock()
-_patched = False
+from contextkit.core.errors import ConfigError, CorruptEntryError
+
+# LMCache's side (config mapping, keys, patches) lives in lmcache_backend, a remote tier's health in
+# lmcache_remote; the names below stay importable from here, where they always were.
+__all__ = ["LMCacheTier", "LMCacheTierConfig", "chunk_hash", "lmcache_config", "tenant_tag"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +85,7 @@ class LMCacheTierConfig:
     enc_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in _BACKEND:
+        if self.kind not in BACKEND:
             raise ConfigError(f"LMCache tier kind must be cpu, disk or remote, got {self.kind!r}")
         if self.kind == "disk" and self.disk_dir is None:
             raise ConfigError("a disk tier needs disk_dir (a directory it may own)")
@@ -96,73 +103,14 @@ class LMCacheTierConfig:
         if self.max_bytes <= 0 or self.pool_bytes <= 0 or self.timeout_s <= 0:
             raise ConfigError("max_bytes, pool_bytes and timeout_s must be positive")
 
-
-def lmcache_config(cfg: LMCacheTierConfig):
-    """Our tier config as LMCache's own ``LMCacheEngineConfig`` (the one place the mapping lives).
-
-    ``from_defaults`` ignores keys it does not know, so every key set here is checked by a test."""
-    from lmcache.v1.config import LMCacheEngineConfig
-
-    gib = 1 << 30
-    kw: dict = dict(chunk_size=256, remote_serde="naive", local_cpu=cfg.kind == "cpu",
-                    max_local_cpu_size=(cfg.max_bytes if cfg.kind == "cpu" else cfg.pool_bytes) / gib,
-                    blocking_timeout_secs=max(1, int(cfg.timeout_s)))
-    if cfg.kind == "disk":
-        kw.update(local_disk=str(cfg.disk_dir), max_local_disk_size=cfg.max_bytes / gib)
-    if cfg.kind == "remote":
-        url = cfg.remote_url or ""
-        if url.startswith("redis://"):
-            sock = max(0.5, cfg.timeout_s / 2)  # below the blocking timeout (see module docstring)
-            url += ("&" if "?" in url else "?") + f"socket_timeout={sock}&socket_connect_timeout={sock}"
-        kw.update(remote_url=url)
-    return LMCacheEngineConfig.from_defaults(**kw)
-
-
-def _patch_redis_close() -> None:
-    """Replace ``RedisConnector.close`` (deadlocks: awaits a sync shutdown on its own loop)."""
-    global _patched
-    with _patch_lock:
-        if _patched:
-            return
-        from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
-
-        async def close(self) -> None:
-            try:
-                await asyncio.wait_for(self.pq_executor.shutdown_async(wait=True), 5)
-            finally:
-                await self.connection.aclose()
-
-        RedisConnector.close = close
-        _patched = True
-
-
-def _private_prometheus_dir() -> None:
-    """Give this process a fresh ``PROMETHEUS_MULTIPROC_DIR`` unless it has one (module docstring)."""
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        path = tempfile.mkdtemp(prefix="contextkit-prometheus-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-        atexit.register(shutil.rmtree, path, True)
-
-
-def chunk_hash(digest: str, *, names: StoreNames) -> int:
-    """LMCache's chunk hash of a key: 64 bits of its keyed name, never of its digest (a public hash)."""
-    return int(names.digest(digest)[:16], 16)
-
-
-def tenant_tag(tenant: str, *, names: StoreNames) -> str:
-    """A name-safe tag of the tenant for LMCache's model_name field (keys of tenants never meet), keyed:
-    whoever reads the store can tell tenants apart but cannot tell which tenant is whose."""
-    return "contextkit." + names.tenant(tenant)[:24]
-
-
-class LMCacheTier:
+class LMCacheTier(RemoteHealth):
     """A kvstore tier on one LMCache backend. Thread-safe (LMCache's calls block; its loop is its own)."""
 
     def __init__(self, cfg: LMCacheTierConfig, name: str | None = None):
         # LMCache logs every tier start and every swallowed remote error at INFO/WARNING; our counters
         # (stats(): errors, corrupt, down) carry those events. LMCACHE_LOG_LEVEL set by you wins.
         os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
-        _private_prometheus_dir()
+        private_prometheus_dir()
         try:
             import torch
             from lmcache.v1.event_manager import EventManager
@@ -172,147 +120,30 @@ class LMCacheTier:
             raise ConfigError("the LMCache tiers need lmcache: pip install 'contextkit[lmcache]'") from exc
         self.cfg = cfg
         self.name = name or (cfg.kind if cfg.kind != "remote" else urllib.parse.urlparse(cfg.remote_url).scheme)
-        self.backend = _BACKEND[cfg.kind]
+        self.backend = BACKEND[cfg.kind]
         self._stats = TierStats(self.name)
         self._torch = torch
         if cfg.kind == "remote" and (cfg.remote_url or "").startswith("redis://"):
-            _patch_redis_close()
+            patch_redis_close()
         if cfg.kind == "disk":
             Path(cfg.disk_dir).mkdir(parents=True, exist_ok=True)
         md = LMCacheMetadata(model_name="contextkit", world_size=1, local_world_size=1, worker_id=0,
                              local_worker_id=0, kv_dtype=torch.uint8, kv_shape=(1, 1, 256, 1, 1), chunk_size=256)
         self._sm = StorageManager(lmcache_config(cfg), md, EventManager())
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"kv-{self.name}")
-        self._down_until = 0.0
-        self._seen_failures = 0
-        self._redis_client = None  # made on first use (_redis)
-        self._lock = threading.Lock()
+        self._init_health(self.name)
         if cfg.kind == "disk":
-            self._disk_atomic_writes()
-            self._disk_reload()
+            atomic_disk_writes(self._disk())
+            reload_disk_dir(self._disk(), Path(cfg.disk_dir))
+            self._stats.entries = len(self._disk().dict)
         if cfg.kind == "remote" and not self._probe():
             self._down_until = time.monotonic() + cfg.retry_after_s
 
     # -- LMCache keys ------------------------------------------------------------------------------
     def _key(self, key: StoreKey):
-        from lmcache.utils import CacheEngineKey
+        return engine_key(key, mac_key=self.cfg.mac_key)
 
-        names = StoreNames.of(self.cfg.mac_key)  # the names' key: derived from the secret, like the MAC's
-        return CacheEngineKey(tenant_tag(key.tenant, names=names), 1, 0, chunk_hash(key.digest, names=names),
-                              self._torch.uint8)
-
-    # -- disk workarounds --------------------------------------------------------------------------
     def _disk(self):
         return self._sm.storage_backends[self.backend]
-
-    def _disk_atomic_writes(self) -> None:
-        db = self._disk()
-
-        def write_file(buffer, path):  # LMCache's own writes in place; a crash would leave half a file
-            d = os.path.dirname(path)
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".part")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(buffer)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-
-        db.write_file = write_file
-
-    def _register(self, path: Path) -> bool:
-        """Tell LMCache's disk index about a file it did not write in this process."""
-        from lmcache.utils import CacheEngineKey
-        from lmcache.v1.memory_management import MemoryFormat
-
-        try:
-            model, ws, wid, h, _ = path.name.removesuffix(".pt").split("@")
-            key = CacheEngineKey(model, int(ws), int(wid), int(h, 16), self._torch.uint8)  # file names hold hex
-            size = path.stat().st_size
-        except (ValueError, OSError):
-            return False
-        db = self._disk()
-        if db.contains(key):
-            return True
-        db.insert_key(key, size, self._torch.Size([size]), self._torch.uint8, MemoryFormat.KV_2LTD)
-        with db.disk_lock:
-            db.current_cache_size += size
-            db.usage += size
-        return True
-
-    def _disk_reload(self) -> None:
-        for p in sorted(Path(self.cfg.disk_dir).glob("*.pt"), key=lambda p: p.stat().st_mtime):
-            self._register(p)
-        for p in Path(self.cfg.disk_dir).glob(".tmp-*.part"):  # a write that died mid-way
-            p.unlink(missing_ok=True)
-        self._stats.entries = len(self._disk().dict)
-
-    # -- remote health -----------------------------------------------------------------------------
-    def _probe(self) -> bool:
-        url = urllib.parse.urlparse(self.cfg.remote_url)
-        try:
-            socket.create_connection((url.hostname, url.port), timeout=min(1.0, self.cfg.timeout_s)).close()
-            return True
-        except OSError:
-            return False
-
-    def _note_failures(self) -> None:
-        """LMCache swallows remote errors (logs them; a get answers None, a put fails in the background).
-        Its backend counts failed puts, so we read that counter to learn that the connection broke (a
-        dead ``lm://`` link never heals by itself). Its failed-get counter also counts plain misses, so a
-        None from a get is checked with a TCP probe instead (``get``)."""
-        be = self._sm.storage_backends.get(self.backend) if self._sm is not None else None
-        seen = int(getattr(be, "_put_failed_count", 0))
-        if seen > self._seen_failures:
-            self._seen_failures = seen
-            self._failed()
-
-    def _available(self) -> bool:
-        if self.cfg.kind != "remote":
-            return True
-        self._note_failures()
-        if self._down_until == 0.0:
-            return True
-        if time.monotonic() < self._down_until:
-            return False
-        with self._lock:
-            if self._down_until == 0.0:
-                return True
-            if not self._probe():
-                self._down_until = time.monotonic() + self.cfg.retry_after_s
-                return False
-            try:  # a killed lm:// connection never recovers by itself
-                self._sm.recreate_backend(self.backend)
-                self._seen_failures = 0  # the new backend counts from zero
-            except Exception:  # noqa: BLE001 - any failure here means: still down
-                self._down_until = time.monotonic() + self.cfg.retry_after_s
-                return False
-            self._down_until = 0.0
-            return True
-
-    def _failed(self) -> None:
-        self._stats.add("errors")
-        if self.cfg.kind == "remote":
-            self._down_until = time.monotonic() + self.cfg.retry_after_s
-
-    def _call(self, fn, *args, timeout_s: float | None = None, on_abandon=None):
-        """Run an LMCache call under the tier's deadline (remote) or directly (local). ``timeout_s``: what
-        is left of a caller's deadline, when it is shorter. ``on_abandon(result)`` runs on a result that
-        arrives after the caller gave up (to hand LMCache's buffers back)."""
-        if self.cfg.kind != "remote":
-            return fn(*args)
-        wait = self.cfg.timeout_s if timeout_s is None else min(timeout_s, self.cfg.timeout_s)
-        fut = self._pool.submit(fn, *args)
-        try:
-            return fut.result(timeout=wait)
-        except concurrent.futures.TimeoutError:
-            if on_abandon is not None:
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception() or on_abandon(f.result()))
-            raise TimeoutError(f"{self.cfg.remote_url} did not answer within {wait:.3g} s") from None
 
     # -- the KVStore interface -----------------------------------------------------------------------
     def contains(self, key: StoreKey) -> bool:
@@ -326,7 +157,7 @@ class LMCacheTier:
             return False
         if not hit and self.cfg.kind == "disk":
             path = Path(self._disk()._key_to_path(ck))
-            hit = path.is_file() and self._register(path)  # written by another process
+            hit = path.is_file() and register_disk_file(self._disk(), path)  # written by another process
         return hit
 
     def get(self, key: StoreKey) -> Entry | None:
@@ -378,9 +209,9 @@ class LMCacheTier:
             return [False] * len(keys)
         cks = [self._key(k) for k in keys]
         if (self.cfg.remote_url or "").startswith("redis://"):
-            fn = lambda: self._redis_exists(cks)  # noqa: E731
+            fn = lambda: self._redis_exists(cks)
         else:
-            fn = lambda: [self._sm.contains(ck, [self.backend]) is not None for ck in cks]  # noqa: E731
+            fn = lambda: [self._sm.contains(ck, [self.backend]) is not None for ck in cks]
         try:
             return list(self._call(fn, timeout_s=deadline.remaining()))
         except Exception:  # noqa: BLE001 - a failing or slow tier answers misses; counted
@@ -413,22 +244,6 @@ class LMCacheTier:
         if all(o is None for o in objs) and not self._probe():
             self._failed()
         return [self._entry(k, o, t0) for k, o in zip(keys, objs)]
-
-    def _redis(self):
-        """A plain Redis client on the remote's URL, for what LMCache's connector does one key at a time."""
-        if self._redis_client is None:
-            import redis
-
-            url = urllib.parse.urlparse(self.cfg.remote_url)
-            self._redis_client = redis.Redis(host=url.hostname, port=url.port, socket_timeout=self.cfg.timeout_s,
-                                             socket_connect_timeout=self.cfg.timeout_s)
-        return self._redis_client
-
-    def _redis_exists(self, cks) -> list[bool]:
-        pipe = self._redis().pipeline(transaction=False)
-        for ck in cks:  # LMCache's RedisConnector writes <key>kv_bytes, then <key>metadata: the latter marks it
-            pipe.exists(ck.to_string() + "metadata")
-        return [bool(n) for n in pipe.execute()]
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
@@ -490,17 +305,6 @@ class LMCacheTier:
             return self._redis_delete(ck)
         return False  # lmcache_server has no delete; a bad entry there is skipped on every read
 
-    def _redis_delete(self, ck) -> bool:
-        url = urllib.parse.urlparse(self.cfg.remote_url)
-        try:
-            import redis
-
-            r = redis.Redis(host=url.hostname, port=url.port, socket_timeout=self.cfg.timeout_s)
-            name = ck.to_string()
-            return bool(r.delete(name + "kv_bytes", name + "metadata"))
-        except Exception:  # noqa: BLE001
-            return False
-
     def stats(self) -> dict:
         out = self._stats.as_dict()
         if self.cfg.kind == "disk":
@@ -519,6 +323,4 @@ class LMCacheTier:
         t.join(timeout=15)
         if t.is_alive() and sm.loop.is_running():
             sm.loop.call_soon_threadsafe(sm.loop.stop)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._redis_client is not None:
-            self._redis_client.close()
+        self._close_health()

@@ -38,6 +38,9 @@ import json
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.ordering import load_stream
@@ -70,7 +73,11 @@ def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, prompts, 
     dropped: the save queue was full)."""
     from contextkit.core.spec import load_spec
     from contextkit.core.tenancy import derive
-    from contextkit.integrations.vllm_connector.keys import KVGeometry, block_keys, model_fingerprint
+    from contextkit.integrations.vllm_connector.keys import (
+        KVGeometry,
+        block_keys,
+        model_fingerprint,
+    )
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
     spec = load_spec(model_dir)
@@ -89,128 +96,141 @@ def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, prompts, 
         tier.close()
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.core.models import prepare
-    from contextkit.core.planner import ChatRequest, Planner
-    from contextkit.core.plan import ReuseOptions
-    from contextkit.core.tenancy import Tenancy
-    from contextkit.core.tokenizer import Tokenizer
-    from contextkit.core.types import Evidence, Message
-    from contextkit.integrations.proxy.span_compiler import pic_params, pic_salt, spans_of
-    from contextkit.integrations.launchers.process import free_port
-    from contextkit.integrations.launchers.services import redis_server
-    from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache
+def _body(plan, s: str, params=None) -> dict:
+    out = {"prompt": plan.ids, "max_tokens": 1, "temperature": 0, "logprobs": 5, "cache_salt": s}
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
 
-    k, block = ctx.option("k", 8, int), ctx.option("block_size", 32, int)
-    if ctx.n is None:
-        ctx = dataclasses.replace(ctx, n=40)
-    requests = load_stream(ctx, k)
-    if not requests:
-        raise ConfigError("the trace is empty")
-    cfg = ctx.config
-    model_dir = prepare(cfg.model, cfg.cache_dir)
-    planner = Planner(Tokenizer(model_dir), block_size=block)
-    logs = cfg.cache_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
-    tenancy = Tenancy(secret=cfg.load_secret())
-    salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
-    prompts = []
-    for req in requests:
-        chat = ChatRequest((Message("user", req.question),), tuple(Evidence(d.text, id=d.id, title=d.title) for d in req.documents),
-                           ordering="retrieval", max_new_tokens=1)
-        plan = planner.plan(chat)
-        prompts.append(plan)
-    tick(total=len(prompts) * len(ROWS) + 4)
 
-    redis_url = ctx.option("redis", "")
-    services = []
-    work = cfg.cache_dir / "bench-connector" / run_id
-    a_set = b_set = None
-    rows: dict[str, dict] = {}
-    per: dict[str, list[tuple[float, str, dict, int]]] = {r: [] for r in ROWS}
-    a = b = None
-    try:
+@dataclass
+class _Servers:
+    """vLLM A (restarted once) and B, and the Redis the bench started: whatever runs at the end is stopped."""
+
+    model_dir: Path
+    block: int
+    logs: Path
+    a: Any = None
+    b: Any = None
+    a_settings: Any = None
+    a_port: int = 0
+    services: list = field(default_factory=list)
+
+    def server(self, name: str, settings, port: int = 0):
+        from contextkit.integrations.launchers.vllm_server import (
+            VLLMServer,
+            VLLMServerConfig,
+        )
+        from contextkit.integrations.vllm_connector import vllm_args
+
+        return VLLMServer(VLLMServerConfig(model_dir=self.model_dir, block_size=self.block, port=port,
+                                           max_model_len=8192, extra_args=tuple(vllm_args(settings)),
+                                           log_file=self.logs / f"bench-connector-{name}.log"))
+
+    def start(self, cfg, work: Path, redis_url: str, tick: Tick) -> str:
+        """Start Redis (unless given), then A and B together; the Redis URL."""
+        from contextkit.integrations.launchers.process import free_port
+        from contextkit.integrations.launchers.services import redis_server
+        from contextkit.integrations.vllm_connector import ConnectorSettings
+
         if not redis_url:
-            services.append(redis_server(log_file=logs / "bench-connector-redis.log").start())
-            redis_url = services[-1].url
-        a_set = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir)
+            self.services.append(redis_server(log_file=self.logs / "bench-connector-redis.log").start())
+            redis_url = self.services[-1].url
+        self.a_settings = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir)
         b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir)
-        a_port = free_port()
-
-        def server(name, settings, port=0):
-            return VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, port=port, max_model_len=8192,
-                                               extra_args=tuple(vllm_args(settings)),
-                                               log_file=logs / f"bench-connector-{name}.log"))
-
+        self.a_port = free_port()
         tick("starting vLLM A and B")
-        a, b = server("a", a_set, a_port), server("b", b_set)
-        a.launch()
-        b.launch()
-        a.wait()
-        b.wait()
+        self.a, self.b = self.server("a", self.a_settings, self.a_port), self.server("b", b_set)
+        self.a.launch()
+        self.b.launch()
+        self.a.wait()
+        self.b.wait()
+        return redis_url
 
-        def body(plan, s, params=None):
-            out = {"prompt": plan.ids, "max_tokens": 1, "temperature": 0, "logprobs": 5, "cache_salt": s}
-            if params is not None:
-                out["kv_transfer_params"] = params
-            return out
+    def restart_a(self) -> None:
+        self.a.stop()
+        self.a = self.server("a", self.a_settings, self.a_port).start()
 
-        def measure(row, url, make):
-            for i, plan in enumerate(prompts):
-                ms, obj = _post(url, make(i, plan))
-                text, top = _first(obj)
-                use = obj.get("usage") or {}
-                per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
-                tick(row)
-
-        off = {"contextkit": {"mode": "off"}}
-        measure("full prefill (cold)", a.url, lambda i, p: body(p, f"{salt}-cold-{i}", off))
-        measure("prefix caching", a.url, lambda i, p: body(p, f"{salt}-plain", off))
-        measure("prefix caching, connector saving", a.url, lambda i, p: body(p, salt))
-        tick("waiting for A's saves")
-        saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, prompts)
-        tick("restarting A")
-        a.stop()
-        a = server("a", a_set, a_port).start()
-        measure("connector after restart", a.url, lambda i, p: body(p, salt))
-        measure("connector, second server", b.url, lambda i, p: body(p, salt))
-
-        pic, last = ReuseOptions(policy="none"), ReuseOptions(policy="none", recompute_last_span=True)
-        compiled: set[tuple[int, ...]] = set()
-
-        def first_pass(i, plan):
-            return body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic))
-
-        for i, plan in enumerate(prompts):  # first pass: as the proxy sends it, then its new spans compiled
-            ms, obj = _post(a.url, first_pass(i, plan))
-            text, top = _first(obj)
-            per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
-            ids = plan.ids
-            for s, e in spans_of(plan):
-                span = tuple(ids[s:e])
-                if span not in compiled:
-                    compiled.add(span)
-                    _post(a.url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
-                                  "kv_transfer_params": {"contextkit": {"mode": "span"}}})
-            tick("span compile (first pass)")
-        time.sleep(2.0)
-        if not reset_prefix_cache(a.url):
-            raise UpstreamError("vLLM refused /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 is needed)")
-        measure("span reuse (pic)", a.url, lambda i, p: body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
-        reset_prefix_cache(a.url)
-        measure("span reuse, recompute last span", a.url,
-                lambda i, p: body(p, pic_salt(salt, last), pic_params(p, salt, last)))
-    finally:
-        for s in (a, b, *services):
+    def stop(self) -> None:
+        for s in (self.a, self.b, *self.services):
             if s is not None:
                 s.stop()
 
+
+@dataclass
+class _Rows:
+    """The requests of a run and what each row measured per request: (ms, first token, top 5, cached)."""
+
+    prompts: list
+    salt: str
+    tick: Tick
+    per: dict[str, list[tuple[float, str, dict, int]]] = field(default_factory=lambda: {r: [] for r in ROWS})
+
+    def measure(self, row: str, url: str, make) -> None:
+        for i, plan in enumerate(self.prompts):
+            ms, obj = _post(url, make(i, plan))
+            text, top = _first(obj)
+            use = obj.get("usage") or {}
+            self.per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+            self.tick(row)
+
+
+def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redis_url: str) -> float:
+    """The cold, prefix-caching and connector rows (A restarted between them); the saved share."""
+    salt = m.salt
+    off = {"contextkit": {"mode": "off"}}
+    m.measure("full prefill (cold)", srv.a.url, lambda i, p: _body(p, f"{salt}-cold-{i}", off))
+    m.measure("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
+    m.measure("prefix caching, connector saving", srv.a.url, lambda i, p: _body(p, salt))
+    m.tick("waiting for A's saves")
+    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, m.prompts)
+    m.tick("restarting A")
+    srv.restart_a()
+    m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
+    m.measure("connector, second server", srv.b.url, lambda i, p: _body(p, salt))
+    return saved_share
+
+
+def _span_rows(m: _Rows, url: str) -> None:
+    """The span rows on A: the first pass (each new span compiled after it), then reuse twice, A's prefix
+    cache emptied before each."""
+    from contextkit.core.plan import ReuseOptions
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
+    from contextkit.integrations.proxy.span_compiler import (
+        pic_params,
+        pic_salt,
+        spans_of,
+    )
+
+    salt = m.salt
+    pic, last = ReuseOptions(policy="none"), ReuseOptions(policy="none", recompute_last_span=True)
+    compiled: set[tuple[int, ...]] = set()
+    for plan in m.prompts:  # first pass: as the proxy sends it, then its new spans compiled
+        ms, obj = _post(url, _body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic)))
+        text, top = _first(obj)
+        m.per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+        ids = plan.ids
+        for s, e in spans_of(plan):
+            span = tuple(ids[s:e])
+            if span not in compiled:
+                compiled.add(span)
+                _post(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
+                            "kv_transfer_params": {"contextkit": {"mode": "span"}}})
+        m.tick("span compile (first pass)")
+    time.sleep(2.0)
+    if not reset_prefix_cache(url):
+        raise UpstreamError("vLLM refused /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 is needed)")
+    m.measure("span reuse (pic)", url, lambda i, p: _body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
+    reset_prefix_cache(url)
+    m.measure("span reuse, recompute last span", url,
+              lambda i, p: _body(p, pic_salt(salt, last), pic_params(p, salt, last)))
+
+
+def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
+    """One row of the table per ``ROWS``: latency, speedups, cached share and fidelity against the cold row."""
     cold = per["full prefill (cold)"]
     cold_p50 = median([m for m, *_ in cold])
     prefix_p50 = median([m for m, *_ in per["prefix caching"]])
-    tokens = [p.num_tokens for p in prompts]
     out_rows = []
     for row in ROWS:
         xs = per[row]
@@ -232,8 +252,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         if row == "span reuse (pic)":
             r["default"] = True
         out_rows.append(r)
-        rows[row] = r
-    summary = {
+    return out_rows
+
+
+def _summary(rows: dict[str, dict], saved_share: float, tokens: list[int]) -> dict:
+    return {
         "restart_speedup": rows["connector after restart"]["speedup_vs_cold"],
         "restart_top1_agreement": rows["connector after restart"]["top1_agreement"],
         "shared_tier_speedup": rows["connector, second server"]["speedup_vs_cold"],
@@ -248,6 +271,53 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "saving_vs_prefix": rows["prefix caching, connector saving"]["speedup_vs_prefix"],
         "prompt_tokens_p50": median(tokens),
     }
+
+
+def _plan_all(requests, model_dir: Path, block: int) -> list:
+    """Each request rendered by the planner in retrieval order, as the proxy renders it."""
+    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Evidence, Message
+
+    planner = Planner(Tokenizer(model_dir), block_size=block)
+    return [planner.plan(ChatRequest((Message("user", req.question),),
+                                     tuple(Evidence(d.text, id=d.id, title=d.title) for d in req.documents),
+                                     ordering="retrieval", max_new_tokens=1))
+            for req in requests]
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.core.models import prepare
+    from contextkit.core.tenancy import Tenancy
+
+    k, block = ctx.option("k", 8, int), ctx.option("block_size", 32, int)
+    if ctx.n is None:
+        ctx = dataclasses.replace(ctx, n=40)
+    requests = load_stream(ctx, k)
+    if not requests:
+        raise ConfigError("the trace is empty")
+    cfg = ctx.config
+    model_dir = prepare(cfg.model, cfg.cache_dir)
+    logs = cfg.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    tenancy = Tenancy(secret=cfg.load_secret())
+    salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
+    prompts = _plan_all(requests, model_dir, block)
+    tick(total=len(prompts) * len(ROWS) + 4)
+
+    m, srv = _Rows(prompts, salt, tick), _Servers(model_dir, block, logs)
+    redis_url = ctx.option("redis", "")
+    try:
+        redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
+        saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
+        _span_rows(m, srv.a.url)
+    finally:
+        srv.stop()
+
+    tokens = [p.num_tokens for p in prompts]
+    out_rows = _row_stats(m.per, tokens)
+    summary = _summary({r["row"]: r for r in out_rows}, saved_share, tokens)
     config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
               "data": str(ctx.data) if ctx.data else "default"}
     return BenchResult("connector", config, out_rows, summary)

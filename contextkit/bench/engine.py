@@ -18,12 +18,18 @@ from typing import Any
 import torch
 
 from contextkit.bench.data import load_records, sample
+from contextkit.bench.harness import (
+    BenchContext,
+    BenchResult,
+    Tick,
+    median,
+    timing_stats,
+)
 from contextkit.bench.metrics import kl_divergence
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats
-from contextkit.engine.model import Engine, parse_dtype
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
+from contextkit.engine.model import Engine, parse_dtype
 
 
 def _prompts(ctx: BenchContext, tokenizer: Tokenizer, length: int, count: int) -> list[list[int]]:
@@ -70,23 +76,40 @@ class _HF:
         return self.model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    lengths = ctx.option("lengths", (512, 1024, 2048), lambda s: tuple(int(x) for x in s.split(",")))
-    dtypes = ctx.option("dtypes", ("float32", "bfloat16"), lambda s: tuple(s.split(",")))
-    decode_tokens = ctx.option("decode_tokens", 16, int)
-    eager_row = ctx.option("eager", True, lambda s: s.lower() in ("1", "true", "yes"))
-    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
-    tokenizer = Tokenizer(model_dir)
-    prompts = {L: _prompts(ctx, tokenizer, L, ctx.count(3)) for L in lengths}
-
-    impls: list[tuple[str, str, Any]] = []  # (impl name, dtype, runner)
+def _impls(model_dir, dtypes: tuple[str, ...], eager_row: bool) -> list[tuple[str, str, Any]]:
+    """(impl name, dtype, runner) for each implementation the bench compares."""
+    impls: list[tuple[str, str, Any]] = []
     for dt in dtypes:
         impls.append(("engine", dt, Engine.from_dir(model_dir, dt)))
         impls.append(("transformers", dt, _HF(model_dir, parse_dtype(dt), None)))
     if eager_row and "float32" in dtypes:
         impls.append(("transformers-eager-attn", "float32", _HF(model_dir, torch.float32, "eager")))
-    tick(total=len(impls) * len(lengths) * ctx.count(3))
+    return impls
 
+
+def _one(name: str, runner, ids: list[int], length: int, decode_tokens: int) -> tuple[float, torch.Tensor, float]:
+    """One prompt through one implementation: prefill ms, the last position's logits, decode ms per token."""
+    if name == "engine":
+        cache = runner.new_cache(length + decode_tokens + 1)
+        box = {}
+        ms = _time(lambda: box.setdefault("l", runner.forward(cache, ids)))
+        logits = box["l"][0]
+        step = lambda t, c=cache, r=runner: r.forward(c, [t])
+    else:
+        box = {}
+        ms = _time(lambda: box.setdefault("r", runner.prefill(ids)))
+        hf_cache, logits = box["r"]
+        step = lambda t, c=hf_cache, r=runner: r.decode(c, t)
+    token = int(logits.argmax())
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        token = int(step(token).argmax())
+    return ms, logits, (time.perf_counter() - t0) * 1e3 / decode_tokens
+
+
+def _measure(tick: Tick, impls, lengths: tuple[int, ...], prompts: dict[int, list[list[int]]], decode_tokens: int):
+    """Every prompt through every implementation, the order alternating per prompt: prefill ms and decode
+    ms per token per (impl, dtype, length), and each run's last logits per (impl, dtype, length, prompt)."""
     prefill: dict[tuple[str, str, int], list[float]] = {}
     decode: dict[tuple[str, str, int], list[float]] = {}
     last_logits: dict[tuple[str, str, int, int], torch.Tensor] = {}
@@ -95,25 +118,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             order = impls if i % 2 == 0 else impls[::-1]  # alternate to spread drift evenly
             for name, dt, runner in order:
                 tick(f"{name} {dt} {L} tokens")
-                if name == "engine":
-                    cache = runner.new_cache(L + decode_tokens + 1)
-                    box = {}
-                    ms = _time(lambda: box.setdefault("l", runner.forward(cache, ids)))
-                    logits = box["l"][0]
-                    step = lambda t, c=cache, r=runner: r.forward(c, [t])  # noqa: E731
-                else:
-                    box = {}
-                    ms = _time(lambda: box.setdefault("r", runner.prefill(ids)))
-                    hf_cache, logits = box["r"]
-                    step = lambda t, c=hf_cache, r=runner: r.decode(c, t)  # noqa: E731
+                ms, logits, per_token = _one(name, runner, ids, L, decode_tokens)
                 prefill.setdefault((name, dt, L), []).append(ms)
                 last_logits[(name, dt, L, i)] = logits
-                token = int(logits.argmax())
-                t0 = time.perf_counter()
-                for _ in range(decode_tokens):
-                    token = int(step(token).argmax())
-                decode.setdefault((name, dt, L), []).append((time.perf_counter() - t0) * 1e3 / decode_tokens)
+                decode.setdefault((name, dt, L), []).append(per_token)
+    return prefill, decode, last_logits
 
+
+def _rows(ctx: BenchContext, impls, lengths: tuple[int, ...], prefill, decode, last_logits) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, dt, _ in impls:
         for L in lengths:
@@ -141,7 +153,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 row["top1_agreement_vs_float32"] = sum(int(a.argmax() == b.argmax()) for a, b in pairs) / ctx.count(3)
             row["default"] = name == "engine" and dt == ctx.config.dtype and L == max(lengths)
             rows.append(row)
+    return rows
 
+
+def _summary(ctx: BenchContext, dtypes: tuple[str, ...], lengths: tuple[int, ...], prefill, decode,
+             rows: list[dict[str, Any]]) -> dict[str, Any]:
     L = max(lengths)
     dt = ctx.config.dtype if ctx.config.dtype in dtypes else dtypes[0]
     summary: dict[str, Any] = {
@@ -165,6 +181,22 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         summary["bf16_kl_vs_fp32_p50"] = next(
             r["kl_vs_float32_p50"] for r in rows if r["impl"] == "engine" and r["dtype"] == "bfloat16" and r["tokens"] == L
         )
+    return summary
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    lengths = ctx.option("lengths", (512, 1024, 2048), lambda s: tuple(int(x) for x in s.split(",")))
+    dtypes = ctx.option("dtypes", ("float32", "bfloat16"), lambda s: tuple(s.split(",")))
+    decode_tokens = ctx.option("decode_tokens", 16, int)
+    eager_row = ctx.option("eager", True, lambda s: s.lower() in ("1", "true", "yes"))
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
+    tokenizer = Tokenizer(model_dir)
+    prompts = {L: _prompts(ctx, tokenizer, L, ctx.count(3)) for L in lengths}
+    impls = _impls(model_dir, dtypes, eager_row)
+    tick(total=len(impls) * len(lengths) * ctx.count(3))
+    prefill, decode, last_logits = _measure(tick, impls, lengths, prompts, decode_tokens)
+    rows = _rows(ctx, impls, lengths, prefill, decode, last_logits)
+    summary = _summary(ctx, dtypes, lengths, prefill, decode, rows)
     config = {
         "model": str(ctx.config.model),
         "model_dir": str(model_dir),

@@ -123,86 +123,106 @@ def _edited_slots(plan_ids: Sequence[int], original_ids: Sequence[int]) -> torch
     return torch.tensor(slots, dtype=torch.long)
 
 
-def run_errata(kit, band: Sequence[Skill], system: str, tick: Tick, counts: Sequence[int] = (1, 2, 4)) -> dict:
-    """Rows and summary keys of the erratum comparison (see the module docstring)."""
-    planner, spans = kit.planner, kit.spans
-    reuse = ReuseOptions()
+def _edit_tasks(band: Sequence[Skill], counts: Sequence[int]) -> list[tuple[Skill, list[str], str]]:
+    """(skill, the fields edited, the field asked about): per skill, per count that it has fields for."""
     tasks = []
     for s in band:
         fs = fields(s.text, max(counts))
         for n in counts:
             if n <= len(fs):
                 tasks.extend((s, fs[:n], f) for f in fs[:n])
-    tick(total=len(tasks) * 4)
-    results = []  # per task: the decisions and measurements
-    ttft: dict[str, list[float]] = {m: [] for m in (*METHODS, "recompiled")}
-    for s, edits, asked in tasks:
-        pairs = tuple((o, new_value(o)) for o in edits)
-        edited_text = s.text
-        for o, n in pairs:
-            edited_text = edited_text.replace(o, n)
-        edited = Skill(s.name, edited_text, "edited", s.description)
-        old, new = asked, dict(pairs)[asked]
-        # the question quotes the edited skill's line (other edited fields in it read as edited)
-        at = next(i for i, ln in enumerate(s.text.splitlines()) if old in ln)
-        line = edited_text.splitlines()[at].strip()
-        cloze = line.replace(new, "____", 1)[:240]
-        question = f'The skill says: "{cloze}". What exactly goes in the blank? Answer with the value only.'
-        prefers, extra = {}, {}
-        room = max(len(kit.tokenizer.encode(v)) for v in (old, new)) + 2  # slots to score an answer in
-        for name in ("recompiled", "stale", "erratum", "overwrite"):
-            tick(f"erratum {name} {s.name} ({len(edits)} edits)")
-            skill = {"recompiled": edited, "stale": s, "overwrite": edited,
-                     "erratum": dataclasses.replace(s, errata=pairs)}[name]
-            opts = ReuseOptions(policy="full") if name == "recompiled" else reuse
-            plan = planner.plan(ChatRequest.ask(question, skills=(skill,), system=system, reuse=opts,
-                                                max_new_tokens=8))
-            t0 = time.perf_counter()
-            if name == "recompiled":  # full prefill, observed: how much of the answer reads the field itself
-                stale_ids = planner.plan(ChatRequest.ask(question, skills=(s,), system=system)).ids
-                probe = _FieldAttention(kit.engine.spec.num_layers, _edited_slots(plan.ids, stale_ids))
-                cache = kit.engine.new_cache(len(plan.ids) + room)
-                asm = _Prefilled(cache, kit.engine.forward(cache, plan.ids, probe=probe))
-                extra["field_attention"] = sum(probe.shares) / len(probe.shares)
-            elif name == "overwrite":
-                asm = _overwrite(kit, plan, planner.skill_tokens(s), room)
-            else:
-                asm = spans.assemble(plan, extra_capacity=room)
-            ttft[name].append((time.perf_counter() - t0) * 1e3)
-            prefers[name] = _score(kit, asm, new) - _score(kit, asm, old)
-        share = sum(len(o) * s.text.count(o) for o, _ in pairs) / max(1, len(s.text))
-        want = prefers["recompiled"] > 0
-        results.append({"skill": s.name, "split": half(s.name), "edits": len(edits), "edit_share": share,
-                        "recompiled_prefers_new": want, **extra,
-                        **{m: (prefers[m] > 0) == want for m in METHODS}})
-    if not results:
-        return {"rows": [], "erratum_agreement": None}
+    return tasks
 
-    def agree(rs, m):
-        return round(sum(r[m] for r in rs) / len(rs), 3) if rs else None
 
+def _cloze(s: Skill, pairs: tuple[tuple[str, str], ...], asked: str) -> tuple[Skill, str]:
+    """The edited skill, and the question that quotes its line holding ``asked`` with the new value blanked."""
+    edited_text = s.text
+    for o, n in pairs:
+        edited_text = edited_text.replace(o, n)
+    edited = Skill(s.name, edited_text, "edited", s.description)
+    old, new = asked, dict(pairs)[asked]
+    # the question quotes the edited skill's line (other edited fields in it read as edited)
+    at = next(i for i, ln in enumerate(s.text.splitlines()) if old in ln)
+    line = edited_text.splitlines()[at].strip()
+    cloze = line.replace(new, "____", 1)[:240]
+    return edited, f'The skill says: "{cloze}". What exactly goes in the blank? Answer with the value only.'
+
+
+def _edit_task(kit, system: str, task: tuple[Skill, list[str], str], ttft: dict[str, list[float]],
+               tick: Tick) -> dict:
+    """One task under every method: which value each prefers, against the recompiled skill (timed into ``ttft``)."""
+    planner, spans = kit.planner, kit.spans
+    s, edits, asked = task
+    pairs = tuple((o, new_value(o)) for o in edits)
+    edited, question = _cloze(s, pairs, asked)
+    old, new = asked, dict(pairs)[asked]
+    prefers, extra = {}, {}
+    room = max(len(kit.tokenizer.encode(v)) for v in (old, new)) + 2  # slots to score an answer in
+    for name in ("recompiled", "stale", "erratum", "overwrite"):
+        tick(f"erratum {name} {s.name} ({len(edits)} edits)")
+        skill = {"recompiled": edited, "stale": s, "overwrite": edited,
+                 "erratum": dataclasses.replace(s, errata=pairs)}[name]
+        opts = ReuseOptions(policy="full") if name == "recompiled" else ReuseOptions()
+        plan = planner.plan(ChatRequest.ask(question, skills=(skill,), system=system, reuse=opts,
+                                            max_new_tokens=8))
+        t0 = time.perf_counter()
+        if name == "recompiled":  # full prefill, observed: how much of the answer reads the field itself
+            stale_ids = planner.plan(ChatRequest.ask(question, skills=(s,), system=system)).ids
+            probe = _FieldAttention(kit.engine.spec.num_layers, _edited_slots(plan.ids, stale_ids))
+            cache = kit.engine.new_cache(len(plan.ids) + room)
+            asm = _Prefilled(cache, kit.engine.forward(cache, plan.ids, probe=probe))
+            extra["field_attention"] = sum(probe.shares) / len(probe.shares)
+        elif name == "overwrite":
+            asm = _overwrite(kit, plan, planner.skill_tokens(s), room)
+        else:
+            asm = spans.assemble(plan, extra_capacity=room)
+        ttft[name].append((time.perf_counter() - t0) * 1e3)
+        prefers[name] = _score(kit, asm, new) - _score(kit, asm, old)
+    share = sum(len(o) * s.text.count(o) for o, _ in pairs) / max(1, len(s.text))
+    want = prefers["recompiled"] > 0
+    return {"skill": s.name, "split": half(s.name), "edits": len(edits), "edit_share": share,
+            "recompiled_prefers_new": want, **extra, **{m: (prefers[m] > 0) == want for m in METHODS}}
+
+
+def _agree(rs: list[dict], m: str) -> float | None:
+    return round(sum(r[m] for r in rs) / len(rs), 3) if rs else None
+
+
+def _errata_rows(results: list[dict], ttft: dict[str, list[float]], counts: Sequence[int]) -> list[dict]:
+    """Per count of edits and method, the decision agreement with the recompiled skill; then the reference."""
     rows = []
     for n in counts:
         at = [r for r in results if r["edits"] == n]
         for m in METHODS:
             rows.append({"method": f"erratum: {m}, {n} edit(s)", "tasks": len(at), "edits": n,
-                         "decision_agreement": agree(at, m),
-                         "decision_agreement_tune": agree([r for r in at if r["split"] == "tune"], m),
-                         "decision_agreement_heldout": agree([r for r in at if r["split"] == "heldout"], m),
+                         "decision_agreement": _agree(at, m),
+                         "decision_agreement_tune": _agree([r for r in at if r["split"] == "tune"], m),
+                         "decision_agreement_heldout": _agree([r for r in at if r["split"] == "heldout"], m),
                          "ttft_ms_p50": round(median([t for t, r in zip(ttft[m], results) if r["edits"] == n]), 1)
                          if at else None,
                          "default": m == "erratum" and n == 1})
     rows.append({"method": "erratum: recompiled (reference)", "tasks": len(results), "decision_agreement": 1.0,
                  "ttft_ms_p50": round(median(ttft["recompiled"]), 1), "default": False})
+    return rows
+
+
+def run_errata(kit, band: Sequence[Skill], system: str, tick: Tick, counts: Sequence[int] = (1, 2, 4)) -> dict:
+    """Rows and summary keys of the erratum comparison (see the module docstring)."""
+    tasks = _edit_tasks(band, counts)
+    tick(total=len(tasks) * 4)
+    ttft: dict[str, list[float]] = {m: [] for m in (*METHODS, "recompiled")}
+    results = [_edit_task(kit, system, task, ttft, tick) for task in tasks]  # per task: decisions, measurements
+    if not results:
+        return {"rows": [], "erratum_agreement": None}
     one = [r for r in results if r["edits"] == 1]
     attention = sorted(r["field_attention"] for r in one)
     return {
-        "rows": rows,
-        "erratum_agreement": agree(one, "erratum"), "stale_agreement": agree(one, "stale"),
-        "overwrite_agreement": agree(one, "overwrite"),
-        "erratum_agreement_heldout": agree([r for r in one if r["split"] == "heldout"], "erratum"),
-        "erratum_agreement_by_edits": {n: agree([r for r in results if r["edits"] == n], "erratum") for n in counts},
-        "recompiled_prefers_new": agree(results, "recompiled_prefers_new"),
+        "rows": _errata_rows(results, ttft, counts),
+        "erratum_agreement": _agree(one, "erratum"), "stale_agreement": _agree(one, "stale"),
+        "overwrite_agreement": _agree(one, "overwrite"),
+        "erratum_agreement_heldout": _agree([r for r in one if r["split"] == "heldout"], "erratum"),
+        "erratum_agreement_by_edits": {n: _agree([r for r in results if r["edits"] == n], "erratum") for n in counts},
+        "recompiled_prefers_new": _agree(results, "recompiled_prefers_new"),
         "field_attention_share_p50": round(median(attention), 4),
         "field_attention_share_max": round(attention[-1], 4),
         "erratum_tasks": results,

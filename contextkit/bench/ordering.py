@@ -31,17 +31,34 @@ import time
 import uuid
 from pathlib import Path
 
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, timing_stats
+from contextkit.bench.harness import (
+    BenchContext,
+    BenchResult,
+    Tick,
+    percentile,
+    timing_stats,
+)
 from contextkit.bench.metrics import answer_em, answer_f1
-from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace, write_trace
-from contextkit.core.errors import ConfigError
 from contextkit.bench.stream_client import CompletionClient
-from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model
-from contextkit.core.models import prepare
+from contextkit.bench.workload import (
+    TraceRequest,
+    WorkloadSpec,
+    generate,
+    read_trace,
+    write_trace,
+)
 from contextkit.core.align import pad_to_block
+from contextkit.core.errors import ConfigError
+from contextkit.core.models import prepare
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Doc, Evidence, Message, OrderResult
+from contextkit.integrations.launchers.vllm_server import (
+    VLLMServer,
+    VLLMServerConfig,
+    reset_prefix_cache,
+    served_model,
+)
 from contextkit.ordering.weaver import Weaver, oracle
 
 POLICIES = ("retrieval", "weaver", "weaver+aligned", "oracle")
@@ -120,87 +137,105 @@ def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences
     return samples
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    k = ctx.option("k", 10, int)
-    block = ctx.option("block_size", 32, int)
-    max_tokens = ctx.option("max_tokens", 24, int)
+def _policies(ctx: BenchContext) -> list[str]:
+    """``--set policies=``, checked against ``POLICIES``."""
     policies = ctx.option("policies", ",".join(POLICIES)).split(",")
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ConfigError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
-    requests = load_stream(ctx, k)
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
-    renderer = TraceRenderer(Tokenizer(model_dir), block)
-    upstream = ctx.option("upstream", "")
-    server = None
-    if not upstream:
-        server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
-                                             log_file=ctx.config.cache_dir / "logs" / "bench-ordering-vllm.log"))
-        (ctx.config.cache_dir / "logs").mkdir(parents=True, exist_ok=True)
-        tick("starting vLLM")
-        server.start()
-        upstream = server.url
-    rows, per_policy = [], {}
-    tick(total=len(policies) * len(requests))
-    try:
-        client = CompletionClient(upstream, served_model(upstream))
-        probe = renderer.doc_tokens(requests[0])[0]
-        text = renderer.tok.decode(probe)
-        if client.tokenize(text)[: len(probe) // 2] != list(probe[: len(probe) // 2]):
-            raise ConfigError(f"{upstream} tokenizes differently from {ctx.config.model}; pass --model for the served model")
-        for p_i, policy in enumerate(policies):
-            isolated = reset_prefix_cache(upstream)
-            run_salt = "" if isolated else f"-{policy.replace('+', '_')}-{uuid.uuid4().hex[:8]}"
-            weaver = Weaver(block_size=block)
-            before = client.metrics()
-            rec = []
-            for req in requests:
-                lengths = [len(t) for t in renderer.doc_tokens(req)]
-                aligned = policy == "weaver+aligned"
-                docs = [Doc(id=d.id, tokens=len(pad_to_block(range(n), block, 0)) if aligned else n)
-                        for d, n in zip(req.documents, lengths)]
-                t0 = time.perf_counter()
-                if policy == "retrieval":
-                    order, expect = tuple(range(len(docs))), None
-                elif policy == "oracle":
-                    tree = weaver.tree(req.tenant)
-                    order, expect = oracle(tree, docs, block)
-                    tree.insert((docs[i].id, docs[i].tokens) for i in order)
-                else:
-                    res = weaver.order(docs, req.tenant)
-                    order, expect = res.order, res.reusable_tokens
-                over = (time.perf_counter() - t0) * 1e6
-                ids, padding = renderer.ids(req, order, aligned)
-                salt = (req.tenant + run_salt) if (req.tenant or run_salt) else None
-                c = client.complete(ids, max_tokens=max_tokens, cache_salt=salt, stop=("\n",))
-                rec.append(dict(reordered=order != tuple(range(len(docs))), ttft=c.ttft_ms, cached=c.cached_tokens or 0, prompt=c.prompt_tokens,
-                                padding=padding, overhead=over, expect=expect, answers=req.answers, text=c.text))
-                tick(f"{policy}: {len(rec)}/{len(requests)}")
-            after = client.metrics()
-            per_policy[policy] = rec
-            qa = [r for r in rec if r["answers"]]
-            hits = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
-            queries = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
-            rows.append({
-                "policy": policy,
-                **timing_stats("ttft_ms", [r["ttft"] for r in rec]),
-                "cached_tokens_mean": round(statistics.mean(r["cached"] for r in rec), 1),
-                "prompt_tokens_mean": round(statistics.mean(r["prompt"] for r in rec), 1),
-                "cached_share": round(sum(r["cached"] for r in rec) / max(1, sum(r["prompt"] for r in rec)), 4),
-                "server_hit_rate": round(hits / queries, 4) if queries else None,
-                "reordered_share": round(statistics.mean(r["reordered"] for r in rec), 4),
-                "padding_tokens_mean": round(statistics.mean(r["padding"] for r in rec), 1),
-                "overhead_us_p50": round(percentile([r["overhead"] for r in rec], 50), 1),
-                "answer_f1": round(100 * statistics.mean(answer_f1(r["text"], r["answers"]) for r in qa), 2) if qa else None,
-                "answer_em": round(100 * statistics.mean(answer_em(r["text"], r["answers"]) for r in qa), 2) if qa else None,
-                "requests": len(rec),
-                "isolated_by": "reset_prefix_cache" if isolated else "cache_salt",
-                "default": policy == "weaver",
-            })  # fmt: skip
-    finally:
-        if server is not None:
-            server.stop()
-    over = overhead_us(requests, renderer, ctx.option("tree_sequences", 10_000, int), block, ctx.seed)
+    return policies
+
+
+def _start_server(ctx: BenchContext, model_dir: Path, block: int, tick: Tick) -> VLLMServer:
+    """A vLLM server of the bench's own (no ``--upstream``), started."""
+    server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block,
+                                         log_file=ctx.config.cache_dir / "logs" / "bench-ordering-vllm.log"))
+    (ctx.config.cache_dir / "logs").mkdir(parents=True, exist_ok=True)
+    tick("starting vLLM")
+    server.start()
+    return server
+
+
+def _check_tokenizer(client: CompletionClient, renderer: TraceRenderer, req: TraceRequest, upstream: str,
+                     model: str) -> None:
+    """The server must tokenize as the bench renders, or the token-id prompts mean something else there."""
+    probe = renderer.doc_tokens(req)[0]
+    text = renderer.tok.decode(probe)
+    if client.tokenize(text)[: len(probe) // 2] != list(probe[: len(probe) // 2]):
+        raise ConfigError(f"{upstream} tokenizes differently from {model}; pass --model for the served model")
+
+
+def _choose_order(policy: str, weaver: Weaver, req: TraceRequest, docs: list[Doc], block: int):
+    """(order, expected reusable tokens or None) of ``docs`` under ``policy``; the tree records it."""
+    if policy == "retrieval":
+        return tuple(range(len(docs))), None
+    if policy == "oracle":
+        tree = weaver.tree(req.tenant)
+        order, expect = oracle(tree, docs, block)
+        tree.insert((docs[i].id, docs[i].tokens) for i in order)
+        return order, expect
+    res = weaver.order(docs, req.tenant)
+    return res.order, res.reusable_tokens
+
+
+def _send(client: CompletionClient, renderer: TraceRenderer, weaver: Weaver, req: TraceRequest, *, policy: str,
+          block: int, max_tokens: int, run_salt: str) -> dict:
+    """One request under ``policy``: ordered (timed), rendered, sent; its record."""
+    lengths = [len(t) for t in renderer.doc_tokens(req)]
+    aligned = policy == "weaver+aligned"
+    docs = [Doc(id=d.id, tokens=len(pad_to_block(range(n), block, 0)) if aligned else n)
+            for d, n in zip(req.documents, lengths)]
+    t0 = time.perf_counter()
+    order, expect = _choose_order(policy, weaver, req, docs, block)
+    over = (time.perf_counter() - t0) * 1e6
+    ids, padding = renderer.ids(req, order, aligned)
+    salt = (req.tenant + run_salt) if (req.tenant or run_salt) else None
+    c = client.complete(ids, max_tokens=max_tokens, cache_salt=salt, stop=("\n",))
+    return {"reordered": order != tuple(range(len(docs))), "ttft": c.ttft_ms, "cached": c.cached_tokens or 0,
+            "prompt": c.prompt_tokens, "padding": padding, "overhead": over, "expect": expect,
+            "answers": req.answers, "text": c.text}
+
+
+def _policy_row(policy: str, rec: list[dict], before: dict, after: dict, isolated: bool) -> dict:
+    """The table row of one policy's records (and the server's prefix-cache counters around them)."""
+    qa = [r for r in rec if r["answers"]]
+    hits = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+    queries = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+    return {
+        "policy": policy,
+        **timing_stats("ttft_ms", [r["ttft"] for r in rec]),
+        "cached_tokens_mean": round(statistics.mean(r["cached"] for r in rec), 1),
+        "prompt_tokens_mean": round(statistics.mean(r["prompt"] for r in rec), 1),
+        "cached_share": round(sum(r["cached"] for r in rec) / max(1, sum(r["prompt"] for r in rec)), 4),
+        "server_hit_rate": round(hits / queries, 4) if queries else None,
+        "reordered_share": round(statistics.mean(r["reordered"] for r in rec), 4),
+        "padding_tokens_mean": round(statistics.mean(r["padding"] for r in rec), 1),
+        "overhead_us_p50": round(percentile([r["overhead"] for r in rec], 50), 1),
+        "answer_f1": round(100 * statistics.mean(answer_f1(r["text"], r["answers"]) for r in qa), 2) if qa else None,
+        "answer_em": round(100 * statistics.mean(answer_em(r["text"], r["answers"]) for r in qa), 2) if qa else None,
+        "requests": len(rec),
+        "isolated_by": "reset_prefix_cache" if isolated else "cache_salt",
+        "default": policy == "weaver",
+    }  # fmt: skip
+
+
+def _run_policy(client: CompletionClient, renderer: TraceRenderer, requests: list[TraceRequest], tick: Tick, *,
+                upstream: str, policy: str, block: int, max_tokens: int) -> dict:
+    """The whole stream under one policy, on an emptied (or freshly salted) prefix cache: its row."""
+    isolated = reset_prefix_cache(upstream)
+    run_salt = "" if isolated else f"-{policy.replace('+', '_')}-{uuid.uuid4().hex[:8]}"
+    weaver = Weaver(block_size=block)
+    before = client.metrics()
+    rec = []
+    for req in requests:
+        rec.append(_send(client, renderer, weaver, req, policy=policy, block=block, max_tokens=max_tokens,
+                         run_salt=run_salt))
+        tick(f"{policy}: {len(rec)}/{len(requests)}")
+    return _policy_row(policy, rec, before, client.metrics(), isolated)
+
+
+def _summary(rows: list[dict], requests: list[TraceRequest], over: list[float]) -> dict:
+    """Overhead, and weaver against retrieval order (and the oracle, and block alignment) where they ran."""
     by = {r["policy"]: r for r in rows}
     summary: dict = {"overhead_us_p50": round(percentile(over, 50), 1),
                      "overhead_us_p99": round(percentile(over, 99), 1),
@@ -218,6 +253,35 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             summary["share_of_oracle_ttft_gain"] = round((base["ttft_ms_p50"] - w["ttft_ms_p50"]) / tgain, 4) if tgain > 0 else None
         if "weaver+aligned" in by:
             summary["aligned_ttft_vs_weaver"] = round(by["weaver+aligned"]["ttft_ms_p50"] / w["ttft_ms_p50"], 4)
+    return summary
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    k = ctx.option("k", 10, int)
+    block = ctx.option("block_size", 32, int)
+    max_tokens = ctx.option("max_tokens", 24, int)
+    policies = _policies(ctx)
+    requests = load_stream(ctx, k)
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    renderer = TraceRenderer(Tokenizer(model_dir), block)
+    upstream = ctx.option("upstream", "")
+    server = None
+    if not upstream:
+        server = _start_server(ctx, model_dir, block, tick)
+        upstream = server.url
+    rows = []
+    tick(total=len(policies) * len(requests))
+    try:
+        client = CompletionClient(upstream, served_model(upstream))
+        _check_tokenizer(client, renderer, requests[0], upstream, ctx.config.model)
+        for policy in policies:
+            rows.append(_run_policy(client, renderer, requests, tick, upstream=upstream, policy=policy,
+                                    block=block, max_tokens=max_tokens))
+    finally:
+        if server is not None:
+            server.stop()
+    over = overhead_us(requests, renderer, ctx.option("tree_sequences", 10_000, int), block, ctx.seed)
+    summary = _summary(rows, requests, over)
     config = {"k": k, "block_size": block, "max_tokens": max_tokens, "policies": policies,
               "upstream": ctx.option("upstream", "") or "started by the bench",
               "trace": ctx.option("trace", None), "n": len(requests), "seed": ctx.seed}

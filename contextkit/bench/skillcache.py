@@ -59,7 +59,6 @@ or reported skills differ from the local rendering: 0 unless the one-planner inv
 
 from __future__ import annotations
 
-import random
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,14 +66,21 @@ from pathlib import Path
 import httpx
 
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
-from contextkit.bench.skills import SHARED_SKILLS, SYSTEM, _cut
+from contextkit.bench.skill_workload import (
+    Rendered,
+    Renderer,
+    SkillRequest,
+    ideal_cached,
+    load_skills,
+    workload,
+)
+from contextkit.bench.skills import SHARED_SKILLS, SYSTEM
 from contextkit.bench.stream_client import CompletionClient, stream
 from contextkit.core.errors import ConfigError, InputError, UpstreamError
 from contextkit.core.models import prepare
-from contextkit.core.planner import ChatRequest, Planner
-from contextkit.core.prompt import render_skill
+from contextkit.core.planner import Planner
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Message, Skill, skill_version
+from contextkit.core.types import Skill
 from contextkit.integrations.launchers.servers import proxy_process
 from contextkit.integrations.launchers.vllm_server import (
     VLLMServer,
@@ -86,101 +92,6 @@ from contextkit.integrations.launchers.vllm_server import (
 CANONICAL = "proxy, canonical"
 REQUEST_ORDER = "vLLM direct, request order"
 PASTED = "proxy, pasted in request order"
-
-
-@dataclass(frozen=True, slots=True)
-class SkillRequest:
-    """One request of the workload: its skills as the client lists them, and its question."""
-
-    skills: tuple[Skill, ...]
-    question: str
-
-
-def load_skills(folder: Path, planner: Planner, max_tokens: int) -> list[Skill]:
-    """Every skill under ``folder``, its body cut at a line boundary to at most ``max_tokens`` tokens."""
-    from contextkit.synthesis.skills import SkillLibrary
-
-    out = []
-    for s in sorted(SkillLibrary(planner).register(folder), key=lambda s: s.name):
-        text = _cut(s.text, planner.tokenizer.encode, max_tokens)
-        out.append(Skill(s.name, text, skill_version(s.name, text), s.description))
-    return out
-
-
-def workload(skills: list[Skill], questions: list[str], n: int, zipf: float, max_skills: int,
-             seed: int) -> list[SkillRequest]:
-    """``n`` requests of 1..``max_skills`` distinct skills each, drawn by a Zipf law over seeded popularity
-    ranks, listed in a random order, with ``questions`` in turn."""
-    if zipf <= 0 or max_skills < 1:
-        raise ConfigError("--set zipf must be > 0 and --set max_skills >= 1")
-    rng = random.Random(seed)
-    ranked = list(skills)
-    rng.shuffle(ranked)  # popularity does not follow the names' (canonical) order
-    weights = [1.0 / (rank + 1) ** zipf for rank in range(len(ranked))]
-    out = []
-    for i in range(n):
-        pool, w, picked = list(ranked), list(weights), []
-        for _ in range(rng.randint(1, min(max_skills, len(ranked)))):
-            j = rng.choices(range(len(pool)), weights=w)[0]
-            picked.append(pool.pop(j))
-            w.pop(j)
-        rng.shuffle(picked)  # the order an agent framework happens to list them in
-        out.append(SkillRequest(tuple(picked), questions[i % len(questions)]))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Rendered:
-    """A request's prompt as token ids, and where its skills block sits in it."""
-
-    ids: tuple[int, ...]
-    skills_at: int  # tokens before the skills block (the system prompt's)
-    skills_len: int
-
-
-class Renderer:
-    """Renders a request through the planner: canonically (its plan), or with the same skill blocks in the
-    order the request listed them."""
-
-    def __init__(self, planner: Planner, new_tokens: int):
-        self.planner, self.new_tokens = planner, new_tokens
-
-    def chat(self, req: SkillRequest) -> ChatRequest:
-        return ChatRequest((Message("system", SYSTEM), Message("user", req.question)), skills=req.skills,
-                           max_new_tokens=self.new_tokens)
-
-    def render(self, req: SkillRequest, canonical: bool) -> Rendered:
-        chat = self.chat(req)
-        head, middle, tail = self.planner.frame(chat)
-        assert not middle  # no documents: everything after the skills is the query
-        listed = sorted(req.skills, key=lambda s: (s.name, s.version)) if canonical else req.skills
-        blocks = [t for s in listed for t in self.planner.skill_tokens(s)]
-        ids = (*head, *blocks, *tail)
-        if canonical:  # one planner: the proxy sends exactly this
-            assert list(ids) == self.planner.plan(chat).ids
-        return Rendered(ids, len(head), len(blocks))
-
-    @staticmethod
-    def pasted_system(req: SkillRequest) -> str:
-        """The system message with the skills pasted in request order, as the planner lays them out."""
-        return SYSTEM.rstrip() + "\n\n" + "".join(render_skill(s) for s in req.skills)
-
-
-def ideal_cached(prompts: list[tuple[int, ...]], block: int) -> list[int]:
-    """Cached tokens per prompt from a prefix cache of ``block``-token blocks keyed by chained hashes and
-    never evicted (vLLM's rule: full blocks only, never the prompt's last token), prompts in turn."""
-    seen: set[int] = set()
-    out = []
-    for ids in prompts:
-        h, hit, cached = 0, True, 0
-        servable = (len(ids) - 1) // block
-        for b in range(len(ids) // block):
-            h = hash((h, ids[b * block:(b + 1) * block]))
-            hit = hit and h in seen and b < servable
-            cached += block if hit else 0
-            seen.add(h)
-        out.append(cached)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +139,30 @@ def _row(arm: str, samples: list[tuple[Sample, Rendered, bool]], ideal: list[int
             "distinct_skill_lists": distinct, "default": default}
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """The run's options, and its workload rendered for every arm, before any server starts."""
+
+    max_tokens: int
+    zipf: float
+    max_skills: int
+    new_tokens: int
+    block: int
+    pasted: bool
+    kv_gib: int
+    folder: Path
+    model_dir: Path
+    planner: Planner
+    skills: list[Skill]
+    n: int
+    requests: list[SkillRequest]
+    renderer: Renderer
+    arms: list[str]
+    rendered: dict[str, list[Rendered]]
+    tenant: dict[str, str]
+
+
+def _setup(ctx: BenchContext) -> _Setup:
     from contextkit.bench.data import load_records, sample
 
     max_tokens = ctx.option("max_tokens", 600, int)
@@ -251,57 +185,80 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     rendered = {arm: [renderer.render(r, canonical=arm == CANONICAL) for r in requests] for arm in arms}
     run_id = uuid.uuid4().hex[:12]  # tenants / salts no earlier run warmed
     tenant = {arm: f"skillcache-{run_id}-{i}" for i, arm in enumerate(arms)}
+    return _Setup(max_tokens, zipf, max_skills, new_tokens, block, pasted, kv_gib, folder, model_dir, planner,
+                  skills, n, requests, renderer, arms, rendered, tenant)
 
+
+def _skill_sets(s: _Setup) -> list[frozenset[str]]:
+    return [frozenset(k.name for k in r.skills) for r in s.requests]
+
+
+def _send(s: _Setup, arm: str, i: int, *, direct: CompletionClient, http: httpx.Client, proxy: str,
+          model: str) -> Sample:
+    """Request ``i`` as the arm ``arm`` sends it: token ids straight to vLLM, or a chat through the proxy."""
+    req, r = s.requests[i], s.rendered[arm][i]
+    if arm == REQUEST_ORDER:
+        c = direct.complete(r.ids, max_tokens=s.new_tokens, cache_salt=s.tenant[arm])
+        return Sample(c.ttft_ms, c.prompt_tokens, c.cached_tokens or 0)
+    system = SYSTEM if arm == CANONICAL else s.renderer.pasted_system(req)
+    body = {"model": model, "max_tokens": s.new_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": req.question}],
+            "contextkit": {"tenant": s.tenant[arm]}}
+    if arm == CANONICAL:
+        body["skills"] = [{"name": k.name, "text": k.text} for k in req.skills]
+    return chat_stream(http, proxy, body)
+
+
+def _send_all(s: _Setup, tick: Tick, *, upstream: str, model: str,
+              proxy: str) -> tuple[dict[str, list[tuple[Sample, Rendered, bool]]], int, int]:
+    """Every request through every arm, the arms taking turns; the samples per arm, errors, mismatches."""
+    got: dict[str, list[tuple[Sample, Rendered, bool]]] = {arm: [] for arm in s.arms}
+    sets = _skill_sets(s)
+    repeat = [sets[i] in sets[:i] for i in range(s.n)]  # the set came before: all of its block can hit
+    errors, mismatches = 0, 0
+    with CompletionClient(upstream, model, timeout_s=600) as direct, httpx.Client(timeout=600) as http:
+        for i, req in enumerate(s.requests):
+            turn = s.arms[i % len(s.arms):] + s.arms[: i % len(s.arms)]
+            for arm in turn:
+                r = s.rendered[arm][i]
+                try:
+                    got_one = _send(s, arm, i, direct=direct, http=http, proxy=proxy, model=model)
+                except UpstreamError:
+                    errors += 1
+                    continue
+                # the proxy renders through the same planner: the same prompt length, the skills sorted
+                want = [f"{k.name}@{k.version}" for k in sorted(req.skills, key=lambda k: k.name)]
+                wrong_length = arm != PASTED and got_one.prompt_tokens != len(r.ids)
+                mismatches += wrong_length or (arm == CANONICAL and list(got_one.skills) != want)
+                got[arm].append((got_one, r, repeat[i]))
+            tick(f"request {i + 1}")
+    return got, errors, mismatches
+
+
+def _measure(ctx: BenchContext, tick: Tick, s: _Setup) -> tuple[dict, int, int, bool]:
+    """Start vLLM (unless ``--upstream``) and the proxy, send every request, stop them: the samples per
+    arm, errors, mismatches, and whether vLLM's prefix cache was reset."""
     upstream = ctx.option("upstream", "")
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     server = proxy_proc = None
-    got: dict[str, list[tuple[Sample, Rendered, bool]]] = {arm: [] for arm in arms}
-    sets = [frozenset(k.name for k in r.skills) for r in requests]
-    repeat = [sets[i] in sets[:i] for i in range(n)]  # the set came before: all of its block can hit
-    errors, mismatches = 0, 0
     try:
-        tick(total=n)
+        tick(total=s.n)
         if not upstream:
             tick("starting vLLM", advance=0)
-            server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, kv_cache_gib=kv_gib,
+            server = VLLMServer(VLLMServerConfig(model_dir=s.model_dir, block_size=s.block, kv_cache_gib=s.kv_gib,
                                                  log_file=logs / "bench-skillcache-vllm.log")).start()
             upstream = server.url
         model = served_model(upstream)
         tick("starting the proxy", advance=0)
         proxy_proc = proxy_process(  # open on loopback with client-named tenants (one per arm)
             upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
-            log_file=logs / "bench-skillcache-proxy.log", args=["--block-size", str(block), "--allow-client-tenant"],
+            log_file=logs / "bench-skillcache-proxy.log", args=["--block-size", str(s.block), "--allow-client-tenant"],
         ).start()
         proxy = proxy_proc.url
         reset = reset_prefix_cache(upstream)  # a clean KV space when the server allows it (salts separate anyway)
-        with CompletionClient(upstream, model, timeout_s=600) as direct, httpx.Client(timeout=600) as http:
-            for i, req in enumerate(requests):
-                turn = arms[i % len(arms):] + arms[: i % len(arms)]
-                for arm in turn:
-                    r = rendered[arm][i]
-                    try:
-                        if arm == REQUEST_ORDER:
-                            c = direct.complete(r.ids, max_tokens=new_tokens, cache_salt=tenant[arm])
-                            s = Sample(c.ttft_ms, c.prompt_tokens, c.cached_tokens or 0)
-                        else:
-                            system = SYSTEM if arm == CANONICAL else renderer.pasted_system(req)
-                            body = {"model": model, "max_tokens": new_tokens, "temperature": 0,
-                                    "messages": [{"role": "system", "content": system},
-                                                 {"role": "user", "content": req.question}],
-                                    "contextkit": {"tenant": tenant[arm]}}
-                            if arm == CANONICAL:
-                                body["skills"] = [{"name": k.name, "text": k.text} for k in req.skills]
-                            s = chat_stream(http, proxy, body)
-                    except UpstreamError:
-                        errors += 1
-                        continue
-                    # the proxy renders through the same planner: the same prompt length, the skills sorted
-                    want = [f"{k.name}@{k.version}" for k in sorted(req.skills, key=lambda k: k.name)]
-                    wrong_length = arm != PASTED and s.prompt_tokens != len(r.ids)
-                    mismatches += wrong_length or (arm == CANONICAL and list(s.skills) != want)
-                    got[arm].append((s, r, repeat[i]))
-                tick(f"request {i + 1}")
+        got, errors, mismatches = _send_all(s, tick, upstream=upstream, model=model, proxy=proxy)
     finally:
         if proxy_proc is not None:
             proxy_proc.stop(30)
@@ -309,12 +266,20 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             server.stop()
     if not all(got.values()):
         raise UpstreamError(f"an arm had no successful request ({errors} errors); see the logs in {logs}")
+    return got, errors, mismatches, reset
+
+
+def _arm_rows(s: _Setup, got: dict[str, list[tuple[Sample, Rendered, bool]]]) -> list[dict]:
     rows = []
-    for arm in arms:
+    for arm in s.arms:
         done = [r for _, r, _ in got[arm]]  # the ideal cache sees the requests that were served
         lists = {tuple(k.name for k in (sorted(q.skills, key=lambda k: k.name) if arm == CANONICAL else q.skills))
-                 for q in requests}
-        rows.append(_row(arm, got[arm], ideal_cached([r.ids for r in done], block), len(lists), arm == CANONICAL))
+                 for q in s.requests}
+        rows.append(_row(arm, got[arm], ideal_cached([r.ids for r in done], s.block), len(lists), arm == CANONICAL))
+    return rows
+
+
+def _summary(s: _Setup, rows: list[dict], errors: int, mismatches: int) -> dict:
     by = {row["arm"]: row for row in rows}
     a, b = by[CANONICAL], by[REQUEST_ORDER]
     summary = {
@@ -327,19 +292,32 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "ideal_skill_hit_rate_request_order": b["ideal_skill_hit_rate"],
         "repeat_skill_hit_rate": a["repeat_skill_hit_rate"],
         "repeat_skill_hit_rate_request_order": b["repeat_skill_hit_rate"],
-        "distinct_skill_sets": len(set(sets)), "requests": n, "errors": errors, "render_mismatches": mismatches,
+        "distinct_skill_sets": len(set(_skill_sets(s))), "requests": s.n, "errors": errors,
+        "render_mismatches": mismatches,
     }
-    if pasted:
+    if s.pasted:
         summary.update(skill_hit_rate_pasted=by[PASTED]["skill_hit_rate"], ttft_ms_p50_pasted=by[PASTED]["ttft_ms_p50"])
-    config = {"skills_folder": str(folder), "skills": len(skills), "max_tokens": max_tokens,
-              "skill_tokens_mean": round(sum(len(planner.skill_tokens(k)) for k in skills) / len(skills), 1),
-              "zipf": zipf, "max_skills": max_skills, "new_tokens": new_tokens, "block_size": block, "n": n,
-              "seed": ctx.seed, "data": str(ctx.data) if ctx.data else "default",
-              "distinct_questions": len({r.question for r in requests}), "arms": arms,
-              "upstream": ctx.option("upstream", "") or f"started by the bench ({kv_gib} GiB of KV)",
-              "prefix_cache_reset": reset,
-              "system": SYSTEM}
-    return BenchResult("skillcache", config, rows, summary)
+    return summary
+
+
+def _config(ctx: BenchContext, s: _Setup, reset) -> dict:
+    skills = s.skills
+    return {"skills_folder": str(s.folder), "skills": len(skills), "max_tokens": s.max_tokens,
+            "skill_tokens_mean": round(sum(len(s.planner.skill_tokens(k)) for k in skills) / len(skills), 1),
+            "zipf": s.zipf, "max_skills": s.max_skills, "new_tokens": s.new_tokens, "block_size": s.block, "n": s.n,
+            "seed": ctx.seed, "data": str(ctx.data) if ctx.data else "default",
+            "distinct_questions": len({r.question for r in s.requests}), "arms": s.arms,
+            "upstream": ctx.option("upstream", "") or f"started by the bench ({s.kv_gib} GiB of KV)",
+            "prefix_cache_reset": reset,
+            "system": SYSTEM}
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    s = _setup(ctx)
+    got, errors, mismatches, reset = _measure(ctx, tick, s)
+    rows = _arm_rows(s, got)
+    summary = _summary(s, rows, errors, mismatches)
+    return BenchResult("skillcache", _config(ctx, s, reset), rows, summary)
 
 
 def plot(result: BenchResult, path: Path) -> None:

