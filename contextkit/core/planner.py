@@ -22,7 +22,7 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TYPE_CHECKING
 
 from cachetools import LRUCache
 
@@ -31,8 +31,10 @@ from contextkit.core.errors import ConfigError, EmptyInputError, InputError, Pro
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
 from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces, render_skill
 from contextkit.core.tenant import Tenant
-from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
+
+if TYPE_CHECKING:  # the HTTP client plans nothing: it need not install tokenizers
+    from contextkit.core.tokenizer import Tokenizer
 
 Ordering = Literal["weaver", "retrieval"]
 ORDERINGS: tuple[str, ...] = ("weaver", "retrieval")

@@ -6,9 +6,12 @@ The planner (``contextkit.core.planner``) is the one caller: every entry point r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Skill
+
+if TYPE_CHECKING:  # the HTTP client plans nothing: it need not install tokenizers
+    from contextkit.core.tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = (
     "You are a helpful assistant. Answer the question using the documents. "

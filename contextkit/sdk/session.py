@@ -192,7 +192,8 @@ class Client:
         fork = getattr(self.transport, "fork", None)
         if fork is None:
             raise ConfigError(f"fork/join read branch KV, which needs the KV path in this process; the "
-                              f"{self.transport.name} transport sends text. Use contextkit.connect() without a URL")
+                              f"{self.transport.name} transport sends text. Use contextkit.connect() without a URL "
+                              "(the built-in engine: pip install 'contextkit[local]')")
         return fork(self, prefix, prompts, documents, **kw)
 
     def close(self) -> None:

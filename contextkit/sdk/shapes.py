@@ -1,7 +1,7 @@
 """The SDK's request and result shapes, and the transport seam every client method goes through.
 
 One ``Client`` (``contextkit.sdk.session``) runs on either transport with the same methods and the same
-results: in-process on the built-in engine (``contextkit.sdk.LocalTransport``) or over HTTP to a
+results: in-process on the built-in engine (``contextkit.sdk.local.LocalTransport``) or over HTTP to a
 ``contextkit serve`` or ``contextkit proxy`` URL (``contextkit.sdk.http``). The
 framework adapters (``contextkit.integrations.frameworks.langchain`` / ``.llamaindex``) are written against these
 types, so they work on both.

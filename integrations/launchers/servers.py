@@ -22,12 +22,14 @@ class CLIServer(ManagedProcess):
     """A ``contextkit`` server subcommand in its own process group; ``url`` is where it answers."""
 
     def __init__(self, name: str, cli_args: Sequence[str], *, cache_dir: Path, log_file: Path | None,
-                 cpus: Sequence[int] = (), startup_timeout_s: float = 120.0):
+                 cpus: Sequence[int] = (), startup_timeout_s: float = 120.0, python: str | Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-        argv = [*pin, sys.executable, "-m", "contextkit.cli", *cli_args, "--port", str(self.port)]
+        argv = [*pin, str(python or sys.executable), "-m", "contextkit.cli", *cli_args, "--port", str(self.port)]
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(cache_dir))
+        if python is not None:  # another environment: this one's source tree must not shadow its install
+            env.pop("PYTHONPATH", None)
         super().__init__(name, argv, partial(health, self.url), env=env, log_file=log_file,
                          startup_timeout_s=startup_timeout_s)
 
@@ -44,10 +46,13 @@ class CLIServer(ManagedProcess):
 
 
 def proxy_process(*, upstream: str, model: str, cache_dir: Path, log_file: Path | None, args: Sequence[str] = (),
-                  cpus: Sequence[int] = (), startup_timeout_s: float = 120.0) -> CLIServer:
-    """``contextkit proxy --upstream UPSTREAM --model MODEL *args`` (not started yet)."""
+                  cpus: Sequence[int] = (), startup_timeout_s: float = 120.0,
+                  python: str | Path | None = None) -> CLIServer:
+    """``contextkit proxy --upstream UPSTREAM --model MODEL *args`` (not started yet), on ``python`` (another
+    environment's interpreter, e.g. a light install's) or this one."""
     return CLIServer("contextkit proxy", ["proxy", "--upstream", upstream, "--model", model, *args],
-                     cache_dir=cache_dir, log_file=log_file, cpus=cpus, startup_timeout_s=startup_timeout_s)
+                     cache_dir=cache_dir, log_file=log_file, cpus=cpus, startup_timeout_s=startup_timeout_s,
+                     python=python)
 
 
 def serve_process(*, model: str, cache_dir: Path, log_file: Path | None, args: Sequence[str] = (),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from contextkit.core.errors import ConfigError
 from contextkit.core.tenancy import deployment_secret, derive
+from contextkit.integrations.vllm_connector.compat import SUPPORTED_VLLM, check_vllm_version
 from contextkit.integrations.vllm_connector.keys import KVGeometry, model_fingerprint
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
 from contextkit.integrations.vllm_connector.scheduler import ConnectorScheduler
@@ -68,6 +70,7 @@ class ContextKitConnector(KVConnectorBase_V1):
     """See the module docstring. Loaded by vLLM from ``--kv-transfer-config`` (``settings.transfer_config``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        check_vllm_version(vllm.__version__)  # before anything touches vLLM's internals
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -98,8 +101,8 @@ class ContextKitConnector(KVConnectorBase_V1):
         else:
             self.connector_worker = ConnectorWorker(settings=self.settings, geometry=self.geometry,
                                                     store=self.store, rope=self.rope)
-        log.info("contextkit connector (%s) on %s: %s", role.name, self.geometry.layout(),
-                 ", ".join(t.name for t in self.store.tiers))
+        log.info("contextkit connector (%s) on vLLM %s (supported: %s), %s: %s", role.name, vllm.__version__,
+                 SUPPORTED_VLLM, self.geometry.layout(), ", ".join(t.name for t in self.store.tiers))
 
     # -- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

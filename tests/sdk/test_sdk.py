@@ -16,7 +16,7 @@ from contextkit.core.planner import ChatRequest, Planner
 from contextkit.sdk.session import Client
 from contextkit.core.types import Evidence, Message
 from contextkit.integrations.launchers.process import free_port
-from contextkit.sdk import LocalTransport
+from contextkit.sdk.local import LocalTransport
 
 
 @pytest.fixture(scope="module")
