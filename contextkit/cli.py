@@ -43,8 +43,7 @@ def _fail(message: str) -> None:
 
 
 def _need_local(command: str) -> None:
-    """``generate``, ``serve``, ``bench`` and ``models prepare`` run the built-in engine (torch): a light
-    install (the proxy or client extra) says which extra adds it instead of failing on an import."""
+    """On a light install (proxy, client extra), a command that runs the built-in engine names its extra."""
     import importlib.util
 
     missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
