@@ -17,12 +17,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as RustTokenizer
-
 from contextkit.core.errors import ModelError
+
+# tokenizers and jinja2 are imported where used: the proxy loads its tokenizer on the first documents
+# request, so starting it (and importing its modules) pays for neither
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -38,6 +36,8 @@ class Tokenizer:
                              "directory (one that holds tokenizer.json and tokenizer_config.json)")
         raw = tok_file.read_bytes()
         self.fingerprint = hashlib.sha256(raw).hexdigest()
+        from tokenizers import Tokenizer as RustTokenizer
+
         self._tok = RustTokenizer.from_str(raw.decode())
         config = _read_json(model_dir / "tokenizer_config.json")
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
@@ -90,22 +90,6 @@ def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-class _Generation(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers some templates carry) renders
-    its body unchanged: the markers only matter to training masks."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # jinja's own tojson escapes HTML characters, which chat templates do not expect
@@ -113,13 +97,29 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 
 @cache
-def _compile(template: str) -> jinja2.Template:
+def _compile(template: str) -> Any:
     """The environment chat templates are written for (the one transformers renders them in): sandboxed,
-    trimmed blocks, loop controls, ``raise_exception`` and ``strftime_now``."""
+    trimmed blocks, loop controls, ``raise_exception``, ``strftime_now``, and ``{% generation %}`` blocks
+    (assistant-mask markers some templates carry, which only matter to training masks) rendered as is."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}  # noqa: RUF012 - jinja reads the tag set off the class
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
+    env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
 

@@ -73,3 +73,23 @@ def test_any_unicode_text_round_trips_like_transformers(pair, text):
 def test_a_directory_without_tokenizer_json_says_what_to_point_at(tmp_path):
     with pytest.raises(ModelError, match="tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_template_features_render_as_transformers_does(smol_dir, tmp_path):
+    """{% generation %} blocks, loop controls, tojson and raise_exception, in a template of our own beside
+    the real tokenizer files."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+        "{% if loop.index > 3 %}{% break %}{% endif %}<{{ m['role'] }}>{{ m['content'] | tojson }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{{ eos_token }}{% endif %}")
+    ours, theirs = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    chat = [{"role": "system", "content": "be \"brief\" <ok>"}, {"role": "user", "content": "héllo"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "dropped by break"}]
+    assert ours.render_chat(chat) == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(Exception, match="no tools here"):
+        ours.render_chat([{"role": "tool", "content": "x"}])
