@@ -11,6 +11,7 @@ from contextkit.bench.retrieval import Retriever, passage_pool
 from contextkit.bench.workload import WorkloadSpec, generate, read_trace, write_trace
 from contextkit.core.errors import ConfigError, InputError
 
+pytestmark = pytest.mark.slow  # every test loads the MiniLM embedder and builds a faiss index
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,6 @@ def small(tmp_path_factory, shared_data):
     return records, Retriever(passage_pool(records), cache), cache
 
 
-@pytest.mark.slow  # loads the embedder and builds the index
 def test_retrieval_finds_the_question_own_passages(small):
     records, retriever, cache = small
     hits = retriever.search([r.question for r in records], k=10)

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from contextkit.core.errors import ModelError
 from contextkit.core.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # transformers loads Gemma's 262k-token tokenizer in ~10 s: make test only
 MODELS = ["smol_dir", "gemma_dir"]
 
 
