@@ -30,6 +30,7 @@ class CLIServer(ManagedProcess):
         env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(cache_dir))
         if python is not None:  # another environment: this one's source tree must not shadow its install
             env.pop("PYTHONPATH", None)
+            env["PYTHONSAFEPATH"] = "1"  # `python -m` would put the cwd (a checkout) first on sys.path
         super().__init__(name, argv, partial(health, self.url), env=env, log_file=log_file,
                          startup_timeout_s=startup_timeout_s)
 

@@ -35,7 +35,8 @@ def light_proxy(light, vllm_url, smol_dir, tmp_path_factory):
     """``contextkit proxy`` run by the proxy venv's interpreter, in front of the suite's vLLM."""
     log = tmp_path_factory.mktemp("light-proxy") / "proxy.log"
     with proxy_process(upstream=vllm_url, model=str(smol_dir), cache_dir=tmp_path_factory.mktemp("cache"),
-                       log_file=log, args=["--host", "127.0.0.1"], python=light["proxy"].python) as p:
+                       log_file=log, args=["--host", "127.0.0.1", "--allow-client-tenant"],
+                       python=light["proxy"].python) as p:
         yield p.url
 
 
