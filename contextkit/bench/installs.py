@@ -113,7 +113,8 @@ def import_probe(inst: Install, *, reps: int) -> tuple[float, tuple[str, ...]]:
 def _run(argv: list[str], *, what: str, cwd: str | None = None) -> str:
     # PYTHONPATH and the editable install's finder must not leak the dev tree into the light venv
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd or tempfile.gettempdir())
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd or tempfile.gettempdir(),
+                          check=False)  # the caller's message says what failed
     if proc.returncode != 0:
         raise ConfigError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-1500:]}")
     return proc.stdout

@@ -5,6 +5,7 @@ the SDK and both adapters call a contextkit proxy over HTTP. Prints one JSON obj
 
 import json
 import sys
+from pathlib import Path
 
 ENGINE = ("torch", "transformers", "vllm", "lmcache")
 
@@ -19,7 +20,7 @@ def orders(one, two) -> dict:
 
 
 def main(url: str, example: str) -> dict:
-    ex = json.loads(open(example).read())
+    ex = json.loads(Path(example).read_text())
     question = ex["question"]
     docs = [{"id": f"d{i}", "title": d.get("title") or f"doc {i}", "text": d["text"]}
             for i, d in enumerate(ex["documents"])]
@@ -39,18 +40,16 @@ def main(url: str, example: str) -> dict:
             out[what] = str(exc)
     out["engine_after_sdk"] = engine_modules()
 
-    from langchain_core.documents import Document
-
     from contextkit.integrations.frameworks.langchain import ChatContextKit
+    from langchain_core.documents import Document
 
     llm = ChatContextKit(base_url=url, max_tokens=4, tenant="light-lc")
     lc = [Document(page_content=d["text"], id=d["id"], metadata={"title": d["title"]}) for d in docs]
     a, b = llm.invoke(question, documents=lc), llm.invoke(question, documents=lc[::-1])
     out["langchain"] = orders(a.response_metadata["contextkit"], b.response_metadata["contextkit"])
 
-    from llama_index.core.schema import NodeWithScore, TextNode
-
     from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
+    from llama_index.core.schema import NodeWithScore, TextNode
 
     li = ContextKitLLM(base_url=url, max_tokens=4, tenant="light-li")
     nodes = [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata={"title": d["title"]}), score=1.0)
