@@ -44,12 +44,11 @@ def _fail(message: str) -> None:
 
 def _need_local(command: str) -> None:
     """On a light install (proxy, client extra), a command that runs the built-in engine names its extra."""
-    import importlib.util
+    from contextkit.core.extras import LOCAL_EXTRA, missing
 
-    missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
-    if missing:
-        _fail(f"`contextkit {command}` runs the built-in engine, which this install lacks ({', '.join(missing)} "
-              "missing): pip install 'contextkit[local]'")
+    if lacking := missing():
+        _fail(f"`contextkit {command}` runs the built-in engine, which this install lacks ({', '.join(lacking)} "
+              f"missing): {LOCAL_EXTRA}")
 
 
 def _status(console: Console):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contextkit.core.errors import CorruptModelError, ModelNotFoundError
+from contextkit.core.extras import missing
 
 Progress = Callable[[str], None]
 MANIFEST = "contextkit.json"
@@ -322,10 +323,9 @@ def weights_digest(model_dir: Path | str) -> str:
 def _need_local_extra(name: str) -> None:
     """Preparing a packaged model dequantizes it with gguf, transformers and torch: the light installs
     (proxy, client) have none of them and say what to do instead."""
-    missing = [m for m in ("gguf", "transformers", "torch") if importlib.util.find_spec(m) is None]
-    if missing:
+    if lacking := missing(("gguf", "transformers", "torch")):
         raise ModelNotFoundError(
-            f"model {name!r} is not prepared and preparing it needs {', '.join(missing)}: pass the model's "
+            f"model {name!r} is not prepared and preparing it needs {', '.join(lacking)}: pass the model's "
             "directory (or a Hugging Face id in the local cache) instead, or install "
             "'contextkit[local]' and run `contextkit models prepare`")
 

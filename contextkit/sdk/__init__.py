@@ -11,19 +11,16 @@ policy unless a call says otherwise; it alone can ``fork`` worker branches and `
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 from contextkit.core.config import ContextKitConfig
 from contextkit.core.errors import ConfigError
+from contextkit.core.extras import LOCAL_EXTRA, missing
 from contextkit.sdk.session import Client
 
 if TYPE_CHECKING:
     from contextkit.kit import ContextKit
 
-LOCAL_EXTRA = "pip install 'contextkit[local]'"
-# what the built-in engine needs that the light installs (client, proxy) leave out
-LOCAL_DEPS = ("torch", "transformers", "safetensors")
 
 
 def connect(url: str | None = None, api_key: str | None = None, *, config: ContextKitConfig | None = None,
@@ -31,10 +28,9 @@ def connect(url: str | None = None, api_key: str | None = None, *, config: Conte
     """A client: over HTTP to ``url`` (a ``contextkit serve`` or ``contextkit proxy`` root) with
     ``api_key``, or, without a URL, in process on ``kit`` (or a new ``ContextKit(config)``)."""
     if url is None:
-        missing = [m for m in LOCAL_DEPS if importlib.util.find_spec(m) is None]
-        if missing:  # a light install (the client extra) has no engine
+        if lacking := missing():  # a light install (the client extra) has no engine
             raise ConfigError(f"connect() without a URL runs the built-in engine, which this install lacks "
-                              f"({', '.join(missing)} missing): {LOCAL_EXTRA}, or pass the URL of a "
+                              f"({', '.join(lacking)} missing): {LOCAL_EXTRA}, or pass the URL of a "
                               "contextkit serve or proxy")
         from contextkit.kit import ContextKit
         from contextkit.sdk.local import LocalTransport
