@@ -27,6 +27,7 @@ from contextkit.kernels.rerotate import Rerotator
 from contextkit.kvstore.tiered import TieredStore, build_store
 from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import SpanCache
+from contextkit.spans.calibration import find_profile
 from contextkit.spans.store import KVSpanStore
 from contextkit.synthesis.skills import SkillLibrary
 
@@ -90,6 +91,8 @@ class ContextKit:
             store=KVSpanStore(build_store(self.config.kvstore, derive(secret, "kv-mac"), derive(secret, "kv-enc"))),
             rerotator=Rerotator("auto", build_dir=self.config.cache_dir / "kernels"),
             tokenizer_fingerprint=self.tokenizer.fingerprint,
+            profile=find_profile(self.model_dir, model_digest=self.engine.fingerprint.digest, dtype=self.config.dtype,
+                                 explicit=self.config.calibration),
         )
         # skills registered here compile into the same span cache (kit.skills.register(folder))
         self.skills = SkillLibrary(self.planner, self.spans)

@@ -18,9 +18,10 @@ live in ``spans.pending``; ``SpanCache.compile_pending`` runs that work off the 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +33,7 @@ from contextkit.core.tenant import Tenant
 from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Span
 from contextkit.kernels.rerotate import Rerotator
+from contextkit.spans.calibration import CalibrationProfile
 from contextkit.spans.compile import compile_span, cut_span, model_identity, write_span
 from contextkit.spans.fetch import Fetched, fetch
 from contextkit.spans.key import SpanKey, span_key
@@ -40,6 +42,17 @@ from contextkit.spans.pending import PendingWork, Work
 from contextkit.spans.prefix import extend_prefix
 from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Budgeted:
+    """How policy="budget" was resolved for one request (copied into its report)."""
+
+    budget: float
+    profile: str  # the profile's id, or "none": no profile, the built-in fallback ran
+    band: str | None
 
 
 @dataclass
@@ -59,6 +72,7 @@ class _Assembling:
     placement: Placement
     cache: KVCache
     t_start: float
+    budgeted: Budgeted | None = None  # 0. the budget resolved (policy "budget" only)
     got: Fetched = field(default_factory=Fetched)  # 1. fetch
     layout: Layout | None = None  # 2. write
     rerotated: int = 0
@@ -81,6 +95,8 @@ class SpanCache:
         max_pending: entries of ``pending`` and of ``borrowed``, each.
         max_pending_per_key: of those, entries of one key tenant (its own and its sub-tenants'); None:
             a quarter of ``max_pending``, so one key's documents alone never drop another key's work.
+        profile: the engine's calibration profile (``spans.calibration``), which resolves
+            policy="budget"; None: the built-in fallback, with a warning the first time.
     """
 
     def __init__(
@@ -91,8 +107,11 @@ class SpanCache:
         tokenizer_fingerprint: str = "",
         max_pending: int = 4096,
         max_pending_per_key: int | None = None,
+        profile: CalibrationProfile | None = None,
     ):
         self.engine = engine
+        self.profile = profile
+        self._warned = False
         self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
@@ -145,7 +164,9 @@ class SpanCache:
         """
         provided = provided or {}
         self._check_provided(plan, provided)
+        plan, budgeted = self._resolve(plan)
         a = self._start(plan, extra_capacity)
+        a.budgeted = budgeted
         if plan.options.policy == "full":  # no reuse: the plain prefill of the same tokens and positions
             return self._full_prefill(a)
         a.got = fetch(self, plan, provided)
@@ -154,6 +175,24 @@ class SpanCache:
         self._forward(a)
         self._keep_links(a)
         return Assembly(a.cache, a.logits, self._report(a))
+
+    def _resolve(self, plan: RequestPlan) -> tuple[RequestPlan, Budgeted | None]:
+        """0. policy="budget": the profile's cheapest setting within the budget for the prompt's length
+        band (or full prefill), else, with no profile, the built-in fallback (``ReuseOptions.fallback``)."""
+        opts = plan.options
+        if opts is None or opts.policy != "budget":
+            return plan, None
+        if self.profile is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("no calibration profile for this model: policy='budget' runs the built-in default "
+                            "(query_attention r=%s); run `contextkit calibrate` to make one", opts.ratio)
+            return replace(plan, options=opts.fallback()), Budgeted(opts.budget, "none", None)
+        choice = self.profile.choose(opts.budget, plan.num_tokens)
+        c = choice.options
+        chosen = replace(opts, policy=c.policy, ratio=c.ratio, max_recompute=c.max_recompute, first_k=c.first_k,
+                         probe_layers=c.probe_layers, fidelity_budget=None)
+        return replace(plan, options=chosen), Budgeted(opts.budget, self.profile.id, choice.band)
 
     def _check_provided(self, plan: RequestPlan, provided: dict[int, CompiledSpan]) -> None:
         """Provided KV must be for a reused item, hold its tokens, and come from this model."""
@@ -195,7 +234,7 @@ class SpanCache:
             policy="full", ratio=1.0, context_tokens=context_tokens, reused_tokens=0, rerotated_tokens=0,
             recomputed_tokens=0, prefilled_tokens=context_tokens, padding_tokens=0, compiled_tokens=0,
             hits=0, misses=0, fetch_ms=0.0, rerotate_ms=0.0, select_ms=0.0, compute_ms=compute,
-            compile_ms=0.0, total_ms=(time.perf_counter() - a.t_start) * 1e3,
+            compile_ms=0.0, total_ms=(time.perf_counter() - a.t_start) * 1e3, **_budget_fields(a.budgeted),
         )
         return Assembly(a.cache, logits, report)
 
@@ -281,5 +320,10 @@ class SpanCache:
             estimated_deviation=a.estimated_deviation,
             recomputed_slots=tuple(recompute.tolist()),
             exact_tokens=sum(len(a.plan.items[i].span.token_ids) for i in got.exact),
+            **_budget_fields(a.budgeted),
         )
+
+
+def _budget_fields(b: Budgeted | None) -> dict:
+    return {} if b is None else {"fidelity_budget": b.budget, "profile": b.profile, "band": b.band}
 

@@ -13,11 +13,13 @@ interface (``select``), chosen per request by ``ReuseOptions.policy``:
 - ``query_attention``: prefill the query on top of the reused cache, under the final positions, and
   score every reused token by the attention it receives from the query (probability x value norm,
   summed over heads, the first ``probe_layers`` layers and query tokens); keep the top r (at most
-  ``max_recompute`` tokens), or, with ``fidelity_budget``, the
+  ``max_recompute`` tokens), or, with ``attention_budget``, the
   fewest tokens such that the share of the query's attention mass left on stale tokens is <= budget.
   That share is the documented deviation estimate: the part of the query's read that still goes
   through KV computed without its new context.
 - ``full``: handled by the assembler as a plain prefill.
+- ``budget``: resolved by the assembler to one of the above from the model's calibration profile
+  (``spans.calibration``) before selection; it never reaches ``select``.
 
 Candidates are reused tokens of non-exact spans only: the first span at position 0 (and a prompt-depend
 chain from it) already has exactly the KV a full prefill would give.
@@ -113,7 +115,7 @@ def _first_k(layout: Layout, k: int) -> torch.Tensor:
 def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOptions) -> Selection:
     cand = layout.candidates
     policy = options.policy
-    if policy == "none" or cand.numel() == 0 or (options.ratio == 0 and options.fidelity_budget is None
+    if policy == "none" or cand.numel() == 0 or (options.ratio == 0 and options.attention_budget is None
                                                   and policy in ("kv_deviation", "query_attention")):
         return Selection(cand[:0])
     if policy == "first_k":
@@ -139,7 +141,7 @@ def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOpti
         cache.truncate(length)  # the query is prefilled again after recomputation
         score = probe.score
         total = float(score[:length].sum()) or 1.0
-        if options.fidelity_budget is None:
+        if options.attention_budget is None:
             pool = cand
             if options.first_k:  # the sinks are recomputed anyway: spend the ratio on other tokens
                 pool = cand[~torch.isin(cand, _first_k(layout, options.first_k))]
@@ -148,8 +150,8 @@ def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOpti
             order = cand[score[cand].argsort(descending=True)]
             stale = float(score[cand].sum()) / total  # share of attention on candidates, none recomputed
             cum = score[order].cumsum(0) / total
-            need = int((stale - cum > options.fidelity_budget).sum()) + (1 if stale > options.fidelity_budget else 0)
+            need = int((stale - cum > options.attention_budget).sum()) + (1 if stale > options.attention_budget else 0)
             picked = order[: min(need, order.numel())].sort().values
         left = float(score[cand].sum() - score[picked].sum()) / total
         return Selection(picked, estimated_deviation=round(left, 6))
-    raise ValueError(f"policy {policy!r} is not a selection policy")  # "full" never reaches here
+    raise ValueError(f"policy {policy!r} is not a selection policy")  # "full" and "budget" never reach here

@@ -28,7 +28,9 @@ single-edit tasks where the erratum path decides as the recompiled skill does.
 
 Summary: ``speedup_vs_full``, ``top1_agreement``, ``kl_p50``, ``answer_agreement_f1`` (the default at
 the canonical place), ``splice_speedup_vs_full``, ``splice_top1_agreement``, ``splice_kl_p50``,
-``splice_answer_agreement_f1`` (the default policy spliced), ``erratum_agreement``, ``stale_agreement``,
+``splice_answer_agreement_f1`` (the default policy spliced); ``tf_agreement``, ``answer_kl_p90``,
+``splice_tf_agreement``, ``splice_answer_kl_p90``: the whole answer teacher-forced against full prefill on the
+same engine (``bench.fidelity``); ``erratum_agreement``, ``stale_agreement``,
 ``overwrite_agreement`` (single edits), ``erratum_agreement_by_edits``, ``erratum_agreement_heldout``,
 ``field_attention_share_p50`` (the answer's attention on the edited field's own tokens).
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 
 from contextkit.bench.errata import run_errata
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.fidelity import MethodKV, score
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -79,7 +82,7 @@ TASKS = {
 DEFAULT = "default, canonical place (exact prefix)"
 SPLICE_SYSTEM = "You are a coding agent. Use the skills below when they fit the task."
 SPLICE_FULL = "spliced: full"
-SPLICE_DEFAULT = f"spliced: default (r={ReuseOptions().ratio}, <={ReuseOptions().max_recompute})"
+SPLICE_DEFAULT = f"spliced: default (budget {ReuseOptions().budget})"
 
 
 def methods() -> dict[str, tuple[ReuseOptions, str]]:
@@ -93,7 +96,7 @@ def methods() -> dict[str, tuple[ReuseOptions, str]]:
         SPLICE_FULL: (ReuseOptions(policy="full"), "spliced"),
         "spliced: reuse": (ReuseOptions(policy="none", first_k=0), "spliced"),
         "spliced: first_k k=8": (ReuseOptions(policy="first_k", first_k=8), "spliced"),
-        "spliced: query_attention r=0.1": (ReuseOptions(ratio=0.1, max_recompute=None), "spliced"),
+        "spliced: query_attention r=0.1": (ReuseOptions(policy="query_attention", ratio=0.1, max_recompute=None), "spliced"),
         SPLICE_DEFAULT: (d, "spliced"),
     }
 
@@ -157,22 +160,32 @@ def _task(kit, qi: int, skills: tuple[Skill, ...], task: str, table: dict, *, de
         t0 = time.perf_counter()
         asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=decode + 1)
         ttft = (time.perf_counter() - t0) * 1e3
+        prompt_len = asm.cache.length
         gen = _decode(kit, plan, asm, params)
-        out[name] = (asm.logits[0], gen.text, ttft, asm.report)
+        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing (``_record``)
+        kv = MethodKV(kit.engine, asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        out[name] = (asm.logits[0], gen.text, ttft, asm.report, kv)
     return plans, out
 
 
 def _record(per: dict[str, dict[str, list[float]]], table: dict, plans: dict[str, RequestPlan],
             out: dict[str, tuple]) -> None:
-    """Append one task's measurements per method, each against its placement's full prefill."""
-    for name, (logits, text, ttft, report) in out.items():
-        ref_logits, ref_text, _, _ = out["full" if table[name][1] == "canonical" else SPLICE_FULL]
+    """Append one task's measurements per method, each against its placement's full prefill (same dtype:
+    the skills have no gold answer, and the kit runs one engine)."""
+    whole = {}
+    for where, ref in (("canonical", "full"), ("spliced", SPLICE_FULL)):
+        kvs = {name: o[4] for name, o in out.items() if table[name][1] == where}
+        whole |= score(kvs, same_dtype=ref, fp32=None, gold=None)
+    for name, (logits, text, ttft, report, _) in out.items():
+        ref_logits, ref_text, _, _, _ = out["full" if table[name][1] == "canonical" else SPLICE_FULL]
         plan = plans[table[name][1]]
         m = per[name]
         m.setdefault("ttft", []).append(ttft)
         m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
         m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
         m.setdefault("agree", []).append(token_f1(text, ref_text))
+        m.setdefault("tf", []).append(whole[name]["tf_agreement"])
+        m.setdefault("answer_kl", []).append(whole[name]["answer_kl"])
         m.setdefault("context", []).append(report.context_tokens)
         m.setdefault("hits", []).append(report.hits)
         m.setdefault("skills", []).append(len([it for it in plan.items if it.span.kind == "skill"]))
@@ -187,6 +200,8 @@ def _rows(per: dict[str, dict[str, list[float]]], table: dict) -> list[dict]:
         "kl_p50": round(median(m["kl"]), 4), "kl_p90": round(percentile(m["kl"], 90), 4),
         "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3),
         "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
+        "tf_agreement": round(sum(m["tf"]) / len(m["tf"]), 3),
+        "answer_kl_p50": round(median(m["answer_kl"]), 4), "answer_kl_p90": round(percentile(m["answer_kl"], 90), 4),
         "context_tokens_p50": median(m["context"]), "default": name == DEFAULT,
     } for name, m in per.items()]
 
@@ -205,6 +220,9 @@ def _summary(rows: list[dict], per: dict[str, dict[str, list[float]]], tasks: li
         "splice_speedup_vs_full": by[SPLICE_DEFAULT]["speedup_vs_full"],
         "splice_top1_agreement": by[SPLICE_DEFAULT]["top1_agreement"], "splice_kl_p50": by[SPLICE_DEFAULT]["kl_p50"],
         "splice_answer_agreement_f1": by[SPLICE_DEFAULT]["answer_agreement_f1"],
+        "tf_agreement": by[dflt]["tf_agreement"], "answer_kl_p90": by[dflt]["answer_kl_p90"],
+        "splice_tf_agreement": by[SPLICE_DEFAULT]["tf_agreement"],
+        "splice_answer_kl_p90": by[SPLICE_DEFAULT]["answer_kl_p90"],
         "full_ttft_ms_p50": by["full"]["ttft_ms_p50"], "compile_ms_p50_per_skill": round(median(compile_ms), 1),
         **{k: v for k, v in erratum.items() if k != "rows"},
     }

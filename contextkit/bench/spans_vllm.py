@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from contextkit.bench.bands import band_key
 from contextkit.bench.harness import BenchContext, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, token_f1
 from contextkit.core.plan import RequestPlan
@@ -71,3 +72,19 @@ def vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) ->
                     row["cached_share"] = round(median([x["cached"] for x in m]), 3)
                 rows.append(row)
     return rows
+
+
+def vllm_summary(vrows: list[dict[str, Any]], rows: list[dict[str, Any]], defaults: dict[str, str]) -> dict[str, Any]:
+    """vLLM's TTFTs per band, and the default method's (``defaults``: band -> its row) against vLLM's prefix cache."""
+    out = {}
+    for r in vrows:
+        if r["method"] == "vllm cold prefill":
+            out[band_key("vllm_cold_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+        else:
+            out[band_key("vllm_prefix_ttft_ms_p50", r["band"])] = r["ttft_ms_p50"]
+    for band, dflt in defaults.items():
+        by = {r["method"]: r for r in rows if r["band"] == band and r["source"] == "all"}
+        if "vllm prefix cache (new order)" in by:
+            out[band_key("default_vs_vllm_prefix", band)] = round(
+                by["vllm prefix cache (new order)"]["ttft_ms_p50"] / by[dflt]["ttft_ms_p50"], 2)
+    return out

@@ -15,7 +15,9 @@ prefill; the head is computed by both). Answers: 24 greedy tokens; ``answer_f1``
 gold answers, points) and ``answer_agreement_f1`` (token F1 against the text synthesizer's answer).
 
 Summary: ``ttft_speedup_vs_text``, ``answer_f1_delta`` (KV minus text, F1 points, default policy),
-``answer_agreement_f1``, ``top1_agreement``, ``kl_p50``, worker time and note length.
+``answer_agreement_f1``, ``top1_agreement``, ``kl_p50``, worker time and note length; ``tf_agreement``,
+``answer_kl_p90`` and ``gold_logprob_delta``: the whole answer teacher-forced against the text synthesizer on
+the same engine, and the gold answer's log-likelihood per token, KV minus text (``bench.fidelity``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 from contextkit.bench.data import load_records, sample, split
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.fidelity import MethodKV, gold_ids, score
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -38,15 +41,15 @@ TAIL = "\n\nAnswer the question in a few words, from the notes.\nAnswer:"
 
 
 READS = ("notes", "transcripts")
-DEFAULT = f"kv default (query_attention r={ReuseOptions().ratio}, <={ReuseOptions().max_recompute})"
+DEFAULT = f"kv default (budget {ReuseOptions().budget})"
 
 
 def methods() -> dict[str, ReuseOptions]:
     return {
         "kv reuse": ReuseOptions(policy="none", first_k=0),
-        "kv query_attention r=0.05": ReuseOptions(ratio=0.05, max_recompute=None),
-        "kv query_attention r=0.1": ReuseOptions(ratio=0.1, max_recompute=None),
-        "kv query_attention r=0.2": ReuseOptions(ratio=0.2, max_recompute=None),
+        "kv query_attention r=0.05": ReuseOptions(policy="query_attention", ratio=0.05, max_recompute=None),
+        "kv query_attention r=0.1": ReuseOptions(policy="query_attention", ratio=0.1, max_recompute=None),
+        "kv query_attention r=0.2": ReuseOptions(policy="query_attention", ratio=0.2, max_recompute=None),
         DEFAULT: ReuseOptions(),
     }
 
@@ -90,20 +93,30 @@ def _synthesize(kit, f, head, tail, labels, table: dict[str, ReuseOptions], *, q
         else:
             asm, _, plan = join(f, head, tail, labels, table[name], answer_tokens + 1, transcripts)
         ttft = (time.perf_counter() - t0) * 1e3
-        out[name] = (asm.logits[0], _decode(kit, plan, asm, params), ttft, asm.report)
+        prompt_len = asm.cache.length
+        gen = _decode(kit, plan, asm, params)
+        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing (``_record``)
+        kv = MethodKV(kit.engine, asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        out[name] = (asm.logits[0], gen.text, ttft, asm.report, kv)
     return out
 
 
-def _record(per: dict[tuple[str, str], dict[str, list[float]]], read: str, out: dict[str, tuple], rec) -> None:
-    """Append one question's measurements per method, against the text synthesizer's."""
-    ref_logits, ref_text, _, _ = out["text"]
-    for name, (logits, text, ttft, report) in out.items():
+def _record(per: dict[tuple[str, str], dict[str, list[float]]], read: str, out: dict[str, tuple], rec,
+            gold: list[int] | None) -> None:
+    """Append one question's measurements per method, against the text synthesizer's (same engine)."""
+    ref_logits, ref_text, _, _, _ = out["text"]
+    whole = score({name: o[4] for name, o in out.items()}, same_dtype="text", fp32=None, gold=gold)
+    for name, (logits, text, ttft, report, _) in out.items():
         m = per[(read, name)]
         m.setdefault("ttft", []).append(ttft)
         m.setdefault("f1", []).append(answer_f1(text, rec.answers))
         m.setdefault("agree", []).append(token_f1(text, ref_text))
         m.setdefault("kl", []).append(kl_divergence(ref_logits, logits))
         m.setdefault("top1", []).append(float(int(logits.argmax()) == int(ref_logits.argmax())))
+        m.setdefault("tf", []).append(whole[name]["tf_agreement"])
+        m.setdefault("answer_kl", []).append(whole[name]["answer_kl"])
+        if whole[name]["gold_logprob_delta"] is not None:
+            m.setdefault("gold", []).append(whole[name]["gold_logprob_delta"])
         m.setdefault("context", []).append(report.context_tokens)
         m.setdefault("recomputed", []).append(report.recomputed_tokens)
 
@@ -119,6 +132,10 @@ def _rows(per: dict[tuple[str, str], dict[str, list[float]]], reads: list[str]) 
             "answer_f1": round(100 * sum(m["f1"]) / len(m["f1"]), 2),
             "answer_agreement_f1": round(sum(m["agree"]) / len(m["agree"]), 3),
             "top1_agreement": round(sum(m["top1"]) / len(m["top1"]), 3), "kl_p50": round(median(m["kl"]), 4),
+            "tf_agreement": round(sum(m["tf"]) / len(m["tf"]), 3),
+            "answer_kl_p50": round(median(m["answer_kl"]), 4),
+            "answer_kl_p90": round(percentile(m["answer_kl"], 90), 4),
+            "gold_logprob_delta": round(sum(m["gold"]) / len(m["gold"]), 4) if m.get("gold") else None,
             "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
             "default": name == DEFAULT and read == reads[0],
         })
@@ -136,6 +153,8 @@ def _summary(rows: list[dict], reads: list[str], questions: int, worker_ms: list
             "answer_f1_delta": round(d["answer_f1"] - t["answer_f1"], 2),
             "answer_agreement_f1": d["answer_agreement_f1"],
             "top1_agreement": d["top1_agreement"], "kl_p50": d["kl_p50"],
+            "tf_agreement": d["tf_agreement"], "answer_kl_p90": d["answer_kl_p90"],
+            "gold_logprob_delta": d["gold_logprob_delta"],
             "text_ttft_ms_p50": t["ttft_ms_p50"], "context_tokens_p50": d["context_tokens_p50"],
         }
         if read == reads[0]:
@@ -171,7 +190,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             for read in reads:
                 out = _synthesize(kit, f, head, tail, labels, table, qi=qi, read=read,
                                   answer_tokens=answer_tokens, tick=tick)
-                _record(per, read, out, rec)
+                _record(per, read, out, rec, gold_ids(tok.encode, rec.answers, answer_tokens))
     finally:
         kit.close()
     rows = _rows(per, reads)
@@ -182,7 +201,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     return BenchResult("synthesis", config, rows, summary)
 
 
-def _decode(kit, plan, asm, params: SamplingParams) -> str:
+def _decode(kit, plan, asm, params: SamplingParams):
     from contextkit.engine.generate import generate
 
-    return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits).text
+    return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)

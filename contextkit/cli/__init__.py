@@ -1,4 +1,4 @@
-"""The ``contextkit`` command: models, generate, bench.
+"""The ``contextkit`` command: models and calibrate (``cli.models``), generate, bench, proxy, connector, serve.
 
 Errors a user can fix (unknown model, corrupt GGUF, prompt too long, empty input) print one line,
 ``error: <what is wrong>; <how to fix it>``, and exit with code 2. Settings come from flags, with
@@ -14,89 +14,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
 from contextkit.core.errors import ContextKitError, EmptyInputError, InputError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context-reuse middleware for RAG and agents.")
-models_app = typer.Typer(no_args_is_help=True, help="Prepare and list models.")
+from contextkit.cli.common import CacheOpt, ModelOpt, _fail, _need_local, _status, app, err, out, parse_sets
+from contextkit.cli.models import models_app
+
 app.add_typer(models_app, name="models")
-err = Console(stderr=True)
-out = Console()
-
-CacheOpt = Annotated[
-    Path,
-    typer.Option("--cache-dir", envvar="CONTEXTKIT_CACHE_DIR", help="Where prepared models are kept."),
-]
-ModelOpt = Annotated[
-    str,
-    typer.Option("--model", "-m", envvar="CONTEXTKIT_MODEL", help="Packaged model name or model directory."),
-]
-
-
-def _fail(message: str) -> None:
-    # escaped: a message may hold brackets (pip install 'contextkit[local]') that rich would take as markup
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def _need_local(command: str) -> None:
-    """On a light install (proxy, client extra), a command that runs the built-in engine names its extra."""
-    from contextkit.core.extras import LOCAL_EXTRA, missing
-
-    if lacking := missing():
-        _fail(f"`contextkit {command}` runs the built-in engine, which this install lacks ({', '.join(lacking)} "
-              f"missing): {LOCAL_EXTRA}")
-
-
-def _status(console: Console):
-    """A spinner whose text follows the progress callback."""
-    status = console.status("starting")
-
-    def update(msg: str) -> None:
-        status.update(msg)
-
-    return status, update
-
-
-@models_app.command("list")
-def models_list(cache_dir: CacheOpt = DEFAULT_CACHE_DIR) -> None:
-    """Packaged models and the ones already prepared."""
-    from rich.table import Table
-
-    from contextkit.core.models import ALIASES, REGISTRY, list_prepared
-
-    prepared = {m["name"]: m["path"] for m in list_prepared(cache_dir)}
-    table = Table(title="models")
-    for col in ("name", "aliases", "package", "prepared at", "description"):
-        table.add_column(col)
-    for name, src in REGISTRY.items():
-        aliases = ", ".join(a for a, t in ALIASES.items() if t == name)
-        table.add_row(name, aliases, src.pip_name, prepared.pop(name, "-"), src.description)
-    for name, path in prepared.items():
-        table.add_row(name, "", "(own GGUF)", path, "")
-    out.print(table)
-
-
-@models_app.command("prepare")
-def models_prepare(
-    name: Annotated[str, typer.Argument(help="Packaged model name (see `models list`).")] = "smollm2-135m-instruct",
-    gguf: Annotated[Optional[Path], typer.Option(help="Prepare your own GGUF file under NAME instead.")] = None,
-    cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-) -> None:
-    """Dequantize a packaged GGUF once into a local Hugging Face directory (engine, transformers, vLLM)."""
-    _need_local("models prepare")
-    from contextkit.core.models import prepare
-
-    status, update = _status(err)
-    try:
-        with status:
-            path = prepare(name, cache_dir, gguf=gguf, progress=update)
-    except ContextKitError as exc:
-        _fail(str(exc))
-    out.print(str(path), highlight=False, soft_wrap=True)
 
 
 def _load_request(input_file: Optional[Path], question: Optional[str], documents: list[Path]) -> dict:
@@ -218,13 +143,7 @@ def bench(
     _need_local("bench")
     from contextkit.bench.harness import BenchContext, run_bench
 
-    try:
-        extra = dict(kv.split("=", 1) for kv in option)
-    except ValueError:
-        _fail(f"--set takes KEY=VALUE, got {option!r}")
-    for key, value in (("upstream", upstream), ("trace", trace), ("write_trace", write_trace), ("skills", skills)):
-        if value is not None:
-            extra[key] = str(value)
+    extra = parse_sets(option, upstream=upstream, trace=trace, write_trace=write_trace, skills=skills)
     try:
         ctx = BenchContext(
             name=name, data=data, n=n, seed=seed, json_out=json_out, plot=plot,
@@ -335,6 +254,7 @@ def serve_cmd(
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")] = "auto",
     threads: Optional[int] = None,
+    calibration: Annotated[Optional[Path], typer.Option(help="The calibration profile that resolves fidelity budgets (default: the one `contextkit calibrate` wrote beside the model).")] = None,
     served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
     kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
     kv_remote_url: Annotated[Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")] = None,
@@ -359,7 +279,7 @@ def serve_cmd(
     from contextkit.kit import ContextKit
 
     try:
-        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
+        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads, calibration=calibration,
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url, encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
         tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)

@@ -82,6 +82,10 @@ class ContextKitConfig:
         secret: the deployment secret (>= 32 characters) that keys the MAC of KV leaving the process (and
             a server's cache salts); None: the one in ``<cache_dir>/secret``, made once. Processes that
             share a disk or remote tier share it.
+        calibration: the calibration profile that resolves ``ReuseOptions(policy="budget")``
+            (``contextkit calibrate``); refused with an error when made for other weights or another
+            dtype. None: the one beside the model for its dtype, when there is one (one made for other
+            weights is then ignored with a warning: the weights were replaced, calibrate again).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -90,6 +94,7 @@ class ContextKitConfig:
     threads: int | None = None
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     secret: str | None = field(default=None, repr=False)
+    calibration: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -98,6 +103,8 @@ class ContextKitConfig:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 or None, got {self.threads}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", Path(self.calibration).expanduser())
 
     def load_secret(self) -> bytes:
         """The deployment secret (``contextkit.core.tenancy.load_secret``)."""

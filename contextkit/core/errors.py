@@ -5,6 +5,7 @@ Every message says what is wrong and how to fix it.
 
 ContextKitError                  500
 ├── ConfigError                  500  a setting is invalid (the operator's to fix)
+│   └── CalibrationError             a calibration profile that cannot be read or is for other weights
 ├── ModelError                   500
 │   ├── ModelNotFoundError           unknown model name or missing directory
 │   ├── CorruptModelError            the GGUF / weights file cannot be read or fails its checksum
@@ -39,6 +40,10 @@ class ContextKitError(Exception):
 
 class ConfigError(ContextKitError, ValueError):
     """A configuration value is invalid."""
+
+
+class CalibrationError(ConfigError):
+    """A calibration profile that cannot be read, or was made for other weights or another dtype: never used."""
 
 
 class ModelError(ContextKitError):
@@ -154,6 +159,7 @@ class ErrorKind:
 ERRORS: dict[type[ContextKitError], ErrorKind] = {
     ContextKitError: ErrorKind(500, "api_error", "internal_error"),
     ConfigError: ErrorKind(500, "api_error", "config_error"),
+    CalibrationError: ErrorKind(500, "api_error", "calibration_error"),
     ModelError: ErrorKind(500, "api_error", "model_error"),
     ModelNotFoundError: ErrorKind(500, "api_error", "model_not_found"),
     CorruptModelError: ErrorKind(500, "api_error", "corrupt_model"),

@@ -18,15 +18,19 @@ the published reuse schemes are configurations of ``ReuseOptions``, not separate
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from contextkit.core.errors import ConfigError, EmptyInputError
+from contextkit.core.errors import ConfigError, EmptyInputError, InputError
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Span
 
-Policy = Literal["none", "kv_deviation", "query_attention", "first_k", "full"]
-POLICIES: tuple[str, ...] = ("none", "kv_deviation", "query_attention", "first_k", "full")
+Policy = Literal["budget", "none", "kv_deviation", "query_attention", "first_k", "full"]
+POLICIES: tuple[str, ...] = ("budget", "none", "kv_deviation", "query_attention", "first_k", "full")
+# The answer KL (nats per answer token, p90 over calibration prompts) ``policy="budget"`` allows when the
+# request names none. Chosen on the tune half of the dev file (docs/benchmarks.md, "Fidelity budget").
+DEFAULT_FIDELITY_BUDGET = 0.1
+DEFAULT_RATIO, DEFAULT_MAX_RECOMPUTE = 0.3, 512  # query_attention's; what policy="budget" runs with no profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +66,23 @@ class ReuseOptions:
     """Which reuse a request allows and how much it recomputes.
 
     Attributes:
-        policy: selective recomputation policy (spans/recompute.py); "full" = no reuse at all.
+        policy: selective recomputation policy (spans/recompute.py); "full" = no reuse at all. "budget"
+            (the default): the cheapest setting whose calibrated answer KL is within ``fidelity_budget``
+            for the prompt's length, from the model's calibration profile (``contextkit calibrate``,
+            spans/calibration.py); a model with no profile gets query_attention with the fields below and
+            a warning, and the reuse report says which profile (or none) chose.
         ratio: fraction r of reused span tokens to recompute (kv_deviation, query_attention), at most
             ``max_recompute`` tokens.
         max_recompute: a cap on the tokens ``ratio`` picks (None: no cap). The tokens a question needs
             recomputed sit in the few passages it reads, not in every passage: measured on the tune half
             of the dev file, ~450 tokens gave next-token KL ~0.03 both at 1.5k tokens (r=0.3) and at 4k
             (r=0.1), so a fixed ratio either over-spends on long contexts or under-spends on short ones.
-        fidelity_budget: instead of ``ratio`` (query_attention only): recompute until the estimated
-            share of the query's attention that lands on stale KV is at most this.
+        fidelity_budget: policy="budget" only: the answer KL allowed (nats per answer token, at the
+            profile's quantile over calibration prompts of the prompt's length band), in (0, 1]; None:
+            ``DEFAULT_FIDELITY_BUDGET``.
+        attention_budget: instead of ``ratio`` (query_attention only): recompute until the estimated
+            share of the query's attention that lands on stale KV is at most this. An estimate, not a
+            bound on anything a user observes (0.2 came to next-token KL p90 0.128): prefer the budget.
         first_k: tokens recomputed at the start of each reused span, on top of any policy's choice
             (alone with policy="first_k"): a span compiled alone makes its first tokens attention
             sinks that the new context does not have.
@@ -83,10 +95,11 @@ class ReuseOptions:
         separator: token ids placed between consecutive reused spans, computed in context.
     """
 
-    policy: Policy = "query_attention"
-    ratio: float = 0.3
-    max_recompute: int | None = 512
+    policy: Policy = "budget"
+    ratio: float = DEFAULT_RATIO
+    max_recompute: int | None = DEFAULT_MAX_RECOMPUTE
     fidelity_budget: float | None = None
+    attention_budget: float | None = None
     first_k: int = 2
     check_layer: int = 1
     probe_layers: int = 8
@@ -94,16 +107,37 @@ class ReuseOptions:
     block_size: int = 0
     separator: tuple[int, ...] = ()
 
+    @property
+    def budget(self) -> float:
+        """The answer-KL budget policy="budget" works to (``fidelity_budget`` or the default)."""
+        return DEFAULT_FIDELITY_BUDGET if self.fidelity_budget is None else self.fidelity_budget
+
+    def fallback(self) -> ReuseOptions:
+        """What policy="budget" runs when no calibration profile can choose: query_attention with this
+        request's ratio, cap, sinks and probe (the built-in default, chosen on the tune half)."""
+        return replace(self, policy="query_attention", fidelity_budget=None)
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown recompute policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError(f"recompute ratio must be in [0, 1], got {self.ratio}")
+        if self.policy == "budget" and (self.ratio, self.max_recompute) != (DEFAULT_RATIO, DEFAULT_MAX_RECOMPUTE):
+            raise ConfigError(f"ratio={self.ratio}, max_recompute={self.max_recompute} with policy='budget' (the "
+                              "default): the budget chooses them from the model's calibration profile; pass "
+                              "policy='query_attention' (or kv_deviation) to fix a ratio yourself")
         if self.fidelity_budget is not None:
+            if self.policy != "budget":
+                raise ConfigError(f"fidelity_budget needs policy='budget' (got {self.policy!r}); for the attention "
+                                  "estimate under query_attention use attention_budget")
+            if not 0.0 < self.fidelity_budget <= 1.0:
+                raise InputError(f"fidelity_budget must be in (0, 1] (answer KL in nats per token), got "
+                                 f"{self.fidelity_budget}", param="fidelity_budget")
+        if self.attention_budget is not None:
             if self.policy != "query_attention":
-                raise ConfigError("fidelity_budget needs policy='query_attention' (it is estimated from attention)")
-            if not 0.0 <= self.fidelity_budget <= 1.0:
-                raise ConfigError(f"fidelity_budget must be in [0, 1], got {self.fidelity_budget}")
+                raise ConfigError("attention_budget needs policy='query_attention' (it is estimated from attention)")
+            if not 0.0 <= self.attention_budget <= 1.0:
+                raise ConfigError(f"attention_budget must be in [0, 1], got {self.attention_budget}")
         if self.first_k < 0 or self.block_size < 0:
             raise ConfigError("first_k and block_size must be >= 0")
         if not all(type(t) is int and t >= 0 for t in self.separator):
@@ -195,6 +229,11 @@ class ReuseReport:
     compile_ms: float
     total_ms: float
     estimated_deviation: float | None = None  # query_attention: attention share left on stale KV
+    # policy="budget": the budget asked for, the calibration profile that chose (its id; "none": no
+    # profile, the built-in fallback ran) and the length band it chose for
+    fidelity_budget: float | None = None
+    profile: str | None = None
+    band: str | None = None
     cached_tokens: int = 0  # reused tokens of spans already stored before this request (hits): usage's cached
     recomputed_slots: tuple[int, ...] = ()
     exact_tokens: int = 0  # reused tokens of an exact prefix (computed before after the same prefix)

@@ -101,7 +101,8 @@ class ReuseIn(_Strict):
     policy: Literal[POLICIES] | None = None  # type: ignore[valid-type]
     ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     max_recompute: int | None = Field(None, ge=0)
-    fidelity_budget: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    fidelity_budget: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    attention_budget: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     first_k: int | None = Field(None, ge=0, le=1 << 20)
     check_layer: int | None = Field(None, ge=0, le=4096)
     probe_layers: int | None = Field(None, ge=0, le=4096)

@@ -60,20 +60,30 @@ def test_bench_spans_small_run(tmp_path, smol_dir, cli, vllm_url):
                  "vllm_prefix_ttft_ms_p50_3k") if "3k" in bands else ()
     for key in ("default_method", "speedup_vs_full", "kl_p50", "top1_agreement", "answer_f1_delta",
                 "answer_agreement_f1", "max_speed_method", "max_speed_speedup", "max_speed_top1",
-                "vllm_cold_ttft_ms_p50", "budget_kl_p90", *long_keys):
+                "vllm_cold_ttft_ms_p50", "budget_kl_p90", "tf_agreement", "answer_kl_p90", "gold_logprob_delta",
+                "tf_agreement_fp32", "speedup_vs_full_same_dtype", "budget_holds_min", "calibration_profile",
+                "budget_holds_0.02", "budget_holds_0.1", *long_keys):
         assert key in s, key
+    assert 0 <= s["budget_holds_min"] <= 1
     assert result["config"]["reference_dtype"] == "float32"
     for band in bands:
         rows = {r["method"]: r for r in result["rows"] if r["band"] == band and r["source"] == "all"}
         assert rows["full"]["kl_p50"] == 0 and rows["full"]["top1_agreement"] == 1
         assert rows["full"]["answer_agreement_f1"] == 1
+        # teacher forcing: the reference's own greedy answer is its argmax at every position, at zero KL
+        assert rows["full"]["tf_agreement_fp32"] == 1 and rows["full"]["answer_kl_p90_fp32"] == 0
+        assert rows["full"]["gold_logprob_delta_fp32"] == 0
         assert sum(r["default"] for r in rows.values()) == 1
+        budgets = [r for r in rows.values() if r["policy"] == "budget"]
+        assert sorted(r["fidelity_budget"] for r in budgets) == [0.02, 0.05, 0.1]
+        assert all(r["profile"] == s["calibration_profile"] for r in budgets)  # "none" on a fresh machine
         for r in rows.values():
             if r["policy"] == "vllm":
                 assert r["ttft_ms_p50"] > 0
                 continue
             for key in ("ttft_ms_p50", "ttft_ms_p90", "speedup_vs_full", "kl_p50", "kl_p90", "top1_agreement",
-                        "answer_agreement_f1", "greedy_match_32", "answer_f1", "answer_em"):
+                        "answer_agreement_f1", "greedy_match_32", "answer_f1", "answer_em", "tf_agreement",
+                        "answer_kl_p50", "answer_kl_p90", "gold_logprob_delta", "tf_agreement_fp32"):
                 assert key in r, (r["method"], key)
         # what makes reuse faster, and holds on any machine: "reuse" takes the whole context from compiled
         # spans and recomputes none of it ("full" prefills it), and a higher recompute ratio recomputes more
@@ -115,6 +125,8 @@ def test_bench_skills_small_run(tmp_path, smol_dir, shared_data, cli):
         assert key in s, key
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["full"]["kl_p50"] == 0 and rows["full"]["top1_agreement"] == 1 and rows["full"]["tasks"] == 3
+    assert rows["full"]["tf_agreement"] == 1 and rows["full"]["answer_kl_p90"] == 0
+    assert 0 <= s["splice_tf_agreement"] <= 1 and s["splice_answer_kl_p90"] >= 0
     assert sum(r["default"] for r in result["rows"]) == 2  # the default policy and the default edit path
     # every erratum task is decided (a forced choice) and counted once per edit path
     tasks = s["erratum_tasks"]
@@ -131,11 +143,14 @@ def test_bench_synthesis_small_run(tmp_path, smol_dir, cli):
                "--set", "answer_tokens=4")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1", "transcripts_ttft_speedup_vs_text"):
+    for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1", "transcripts_ttft_speedup_vs_text",
+                "tf_agreement", "answer_kl_p90", "gold_logprob_delta", "transcripts_tf_agreement"):
         assert key in result["summary"], key
     rows = {(r["read"], r["method"]): r for r in result["rows"]}
     for read in ("notes", "transcripts"):
         assert rows[(read, "text")]["answer_agreement_f1"] == 1.0 and rows[(read, "text")]["top1_agreement"] == 1.0
+        assert rows[(read, "text")]["tf_agreement"] == 1.0 and rows[(read, "text")]["gold_logprob_delta"] == 0
+        assert 0 <= rows[(read, "kv reuse")]["tf_agreement"] <= 1 and rows[(read, "kv reuse")]["answer_kl_p90"] >= 0
     # a transcript holds the worker's passages and its note: a longer context than the note alone
     assert rows[("transcripts", "text")]["context_tokens_p50"] > rows[("notes", "text")]["context_tokens_p50"]
     assert sum(r["default"] for r in result["rows"]) == 1

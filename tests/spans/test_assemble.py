@@ -147,13 +147,13 @@ def test_separators_and_last_span_recompute(smol):
     assert r.recomputed_tokens == len(items[-2].span.token_ids)
 
 
-def test_fidelity_budget_bounds_the_estimate(smol):
+def test_attention_budget_bounds_the_estimate(smol):
     _, _, cache, items, _, _ = smol
     for budget in (0.3, 0.05):
-        r = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", fidelity_budget=budget))).report
+        r = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", attention_budget=budget))).report
         assert r.estimated_deviation is not None and r.estimated_deviation <= budget + 1e-6
-    loose = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", fidelity_budget=0.3))).report
-    tight = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", fidelity_budget=0.05))).report
+    loose = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", attention_budget=0.3))).report
+    tight = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", attention_budget=0.05))).report
     assert tight.recomputed_tokens > loose.recomputed_tokens
 
 
@@ -199,7 +199,7 @@ def test_bad_plans_get_clear_errors(smol):
         ReuseOptions(policy="magic")  # type: ignore[arg-type]
     for r in (-0.1, 1.5):
         with pytest.raises(ConfigError, match=r"\[0, 1\]"):
-            ReuseOptions(ratio=r)
+            ReuseOptions(policy="query_attention", ratio=r)
     with pytest.raises(EmptyInputError):
         RequestPlan(())
     with pytest.raises(ConfigError, match="query"):
@@ -261,11 +261,11 @@ def test_default_adds_span_starts_to_the_policy_choice(smol):
 
 def test_max_recompute_caps_the_ratio(smol):
     _, _, cache, items, _, _ = smol
-    free = cache.assemble(RequestPlan(items, ReuseOptions(ratio=0.5, first_k=0, max_recompute=None))).report
-    capped = cache.assemble(RequestPlan(items, ReuseOptions(ratio=0.5, first_k=0, max_recompute=7))).report
+    free = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0, max_recompute=None))).report
+    capped = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0, max_recompute=7))).report
     assert free.recomputed_tokens > 7 and capped.recomputed_tokens == 7
     with pytest.raises(ConfigError, match="max_recompute"):
-        ReuseOptions(max_recompute=-1)
+        ReuseOptions(policy="query_attention", max_recompute=-1)
 
 
 def test_a_shallow_probe_still_ranks_and_stops_early(smol, monkeypatch):
@@ -276,10 +276,10 @@ def test_a_shallow_probe_still_ranks_and_stops_early(smol, monkeypatch):
 
     original = rc._AttentionMass.observe
     monkeypatch.setattr(rc._AttentionMass, "observe", lambda self, layer, *a: (seen.append(layer), original(self, layer, *a)))
-    shallow = cache.assemble(RequestPlan(items, ReuseOptions(probe_layers=3, first_k=0))).report
+    shallow = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", probe_layers=3, first_k=0))).report
     assert seen == [0, 1, 2]
     seen.clear()
-    deep = cache.assemble(RequestPlan(items, ReuseOptions(probe_layers=0, first_k=0))).report
+    deep = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", probe_layers=0, first_k=0))).report
     # all layers but the last: with logits="none" the engine skips the last layer's attention (no row needs it)
     assert seen == list(range(cache.engine.spec.num_layers - 1))
     assert shallow.recomputed_tokens == deep.recomputed_tokens > 0

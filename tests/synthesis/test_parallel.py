@@ -82,7 +82,7 @@ def test_join_at_r1_equals_the_text_synthesizer(kit):
     tail = tok.encode("\nAnswer:")
     labels = [tok.encode(f"\nNote {i + 1}:") for i in range(len(prompts))]
     text, _, _ = join_text(f, head, tail, labels)
-    exact, _, _ = join(f, head, tail, labels, ReuseOptions(ratio=1.0, max_recompute=None))
+    exact, _, _ = join(f, head, tail, labels, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None))
     assert (exact.logits - text.logits).abs().max().item() <= TOL
     fast, _, plan = join(f, head, tail, labels)  # the default policy: most branch KV reused
     r = fast.report
@@ -105,7 +105,7 @@ def test_join_reads_whole_transcripts_when_asked(kit):
     text, _, plan = join_text(f, head, tail, labels, transcripts=True)
     assert sum(len(it.span.token_ids) for it in plan.items) == len(head) + len(tail) + sum(
         len(x) for x in labels) + sum(len(x.prompt_ids) + len(x.token_ids) for x in f.branches)
-    exact, _, _ = join(f, head, tail, labels, ReuseOptions(ratio=1.0, max_recompute=None), transcripts=True)
+    exact, _, _ = join(f, head, tail, labels, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None), transcripts=True)
     assert (exact.logits - text.logits).abs().max().item() <= TOL
     fast, _, _ = join(f, head, tail, labels, transcripts=True)
     assert fast.report.reused_tokens > sum(len(x.prompt_ids) for x in f.branches) // 2

@@ -150,7 +150,7 @@ def test_spliced_skill_kv_is_compiled_once_and_exact_at_r1(fresh_kit):
     skill = lib.get("brand-guidelines")
     assert lib.compile(skill) is False and lib.compile(skill) is True  # once
     req = ChatRequest.ask("Which colors should a slide use?", skills=(skill,), system="Answer briefly.",
-                          reuse=ReuseOptions(ratio=1.0, max_recompute=None))
+                          reuse=ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None))
     plan = kit.planner.plan(req)
     full = kit.spans.assemble(RequestPlan(plan.items, ReuseOptions(policy="full")))
     got = kit.spans.assemble(plan)  # first time at its canonical place: re-positioned, recomputed
@@ -168,7 +168,7 @@ def test_spliced_skill_kv_is_compiled_once_and_exact_at_r1(fresh_kit):
     # mid-conversation: the skill's items spliced into a hand-made plan after a document
     doc = kit.planner.plan(ChatRequest.ask("Q?", [Evidence("A memo about the launch.")]))
     items = (*doc.items[:-1], *lib.items(skill), doc.items[-1])
-    mid = kit.spans.assemble(RequestPlan(items, ReuseOptions(ratio=1.0, max_recompute=None)))
+    mid = kit.spans.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None)))
     ref = kit.spans.assemble(RequestPlan(items, ReuseOptions(policy="full")))
     assert (mid.logits - ref.logits).abs().max().item() <= TOL
     assert torch.isfinite(mid.logits).all()

@@ -34,8 +34,12 @@ def test_fields_not_sent_keep_the_defaults():
     _, request = parse_chat(_body({"policy": "first_k", "first_k": 4, "separator": [5, 6]}), lambda n: Tenant(),
                             allow_reuse=True)
     assert request.reuse == ReuseOptions(policy="first_k", first_k=4, separator=(5, 6))
-    _, request = parse_chat(_body({"ratio": 1}), lambda n: Tenant(), allow_reuse=True)  # an int is a ratio
+    _, request = parse_chat(_body({"policy": "query_attention", "ratio": 1}), lambda n: Tenant(),
+                            allow_reuse=True)  # an int is a ratio
     assert request.reuse.ratio == 1.0
+    assert parse_chat(_body({}), lambda n: Tenant(), allow_reuse=True)[1].reuse == ReuseOptions()  # the budget
+    with pytest.raises(InputError, match="policy='query_attention'"):  # the budget chooses the ratio
+        parse_chat(_body({"ratio": 0.2}), lambda n: Tenant(), allow_reuse=True)
     with pytest.raises(ConfigError):  # in process too
         ReuseOptions(separator=(-1,))
 

@@ -91,7 +91,14 @@ def test_documents_become_spans_reused_by_the_next_request(served, repo):
     # under the same policy (the KV it then computes is held to full prefill by tests/spans)
     assert again.choices[0].model_extra["prompt_token_ids"] == list(want.ids)
     assert ext2["order"] == list(want.document_ids)
-    assert (ext2["policy"], ext2["ratio"]) == (want.options.policy, want.options.ratio)
+    # the default is a fidelity budget, resolved by the model's calibration profile, or without one (a fresh
+    # machine) by the built-in fallback
+    assert want.options.policy == "budget" and ext2["fidelity_budget"] == want.options.budget
+    if kit.spans.profile is None:
+        assert (ext2["profile"], ext2["band"]) == ("none", None)
+        assert (ext2["policy"], ext2["ratio"]) == (want.options.fallback().policy, want.options.fallback().ratio)
+    else:
+        assert ext2["profile"] == kit.spans.profile.id and ext2["band"] is not None
     other = kit.generate(ex["question"], [Evidence(d["text"], title=d["title"]) for d in docs], reuse=ReuseOptions(),
                          params=SamplingParams(max_new_tokens=2), tenant=_fresh("another-tenant"))
     assert other.reuse.misses >= len(docs) and other.reuse.hits == 0  # tenants never share span KV

@@ -1,0 +1,144 @@
+"""``contextkit calibrate``: measure what each recompute setting does to a model's answers, per length band,
+and write the profile that resolves ``ReuseOptions(policy="budget")`` (``contextkit.spans.calibration``).
+
+On the tune half of ``--data`` (the shared dev file by default; ``--set split=`` to change), per band
+(``--set bands=1.5k,3k,4k``) ``--n`` questions (default 8) rendered to that band, each question's passages
+compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its greedy
+answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
+(``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks and probe depth)
+the assembled KV's answer KL and teacher-forced agreement over that answer (``bench.fidelity``), and its
+TTFT. The profile keeps the per-prompt numbers; a budget is later resolved at ``--set quantile=0.9`` of
+them. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
+
+Rows: one per band and ratio (answer KL p50/p90, tf_agreement, speedup vs full prefill in the same run);
+summary: per band, the ratio each budget in ``bench.spans.BUDGETS`` would choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from contextkit.bench.bands import band_key, choose_questions, parse_bands
+from contextkit.bench.data import SHARED_MULTIHOP, load_records, split
+from contextkit.bench.fidelity import compare, reference_answer
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.generation import SamplingParams
+from contextkit.core.models import resolve_model_dir
+from contextkit.core.plan import RequestPlan, ReuseOptions
+from contextkit.core.planner import Planner
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.engine.generate import generate
+from contextkit.engine.model import Engine
+from contextkit.spans.assemble import SpanCache
+from contextkit.spans.calibration import Band, CalibrationProfile, Point, profile_path
+
+RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
+
+
+def _ratios(text: str | None) -> tuple[float, ...]:
+    if text is None:
+        return RATIOS
+    try:
+        ratios = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ConfigError(f"--set ratios={text!r}: give comma-separated numbers in [0, 1]") from None
+    if not ratios or not all(0 <= r <= 1 for r in ratios):
+        raise ConfigError(f"--set ratios={text!r}: give comma-separated numbers in [0, 1]")
+    return ratios
+
+
+def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, ratios: tuple[float, ...],
+              answer_tokens: int) -> tuple[float, dict[float, tuple[float, float, float]]]:
+    """One question: full prefill's TTFT, and per ratio (answer KL, tf_agreement, TTFT) against it."""
+    for it in plan.items[:-1]:
+        cache.compiled(it.span)
+    engine = cache.engine
+    t0 = time.perf_counter()
+    full = cache.assemble(dataclasses.replace(plan, options=ReuseOptions(policy="full")),
+                          extra_capacity=answer_tokens + 1)
+    full_ms = (time.perf_counter() - t0) * 1e3
+    length = full.cache.length
+    gen = generate(engine, tok, plan.ids, SamplingParams(max_new_tokens=answer_tokens), cache=full.cache,
+                   first_logits=full.logits)
+    full.cache.truncate(length)
+    ref = reference_answer(engine, full.cache, full.logits, gen.token_ids, stopped=gen.finish_reason == "stop")
+    base = ReuseOptions().fallback()
+    out = {}
+    for r in ratios:
+        opts = dataclasses.replace(base, ratio=r, max_recompute=None)
+        t0 = time.perf_counter()
+        asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
+        ms = (time.perf_counter() - t0) * 1e3
+        f = compare(ref, engine, asm.cache, asm.logits)
+        out[r] = (f.answer_kl, f.tf_agreement, ms)
+    return full_ms, out
+
+
+def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, tok: Tokenizer,
+          ratios: tuple[float, ...], answer_tokens: int, tick: Tick) -> Band:
+    full_ms: list[float] = []
+    per: dict[float, list[tuple[float, float, float]]] = {r: [] for r in ratios}
+    for qi, (_, plan) in enumerate(chosen):
+        tick(f"{name} q{qi}")
+        ms, measured = _question(cache, tok, plan, ratios, answer_tokens)
+        full_ms.append(ms)
+        for r, m in measured.items():
+            per[r].append(m)
+    full = median(full_ms)
+    points = tuple(Point(r, tuple(round(m[0], 6) for m in per[r]), tuple(round(m[1], 4) for m in per[r]),
+                         round(full / median([m[2] for m in per[r]]), 3)) for r in ratios)
+    return Band(name, int(median([p.num_tokens for _, p in chosen])), points)
+
+
+def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    bands = parse_bands(ctx.option("bands", "1.5k,3k,4k"))
+    ratios = _ratios(ctx.option("ratios", None))
+    answer_tokens = ctx.option("answer_tokens", 32, int)
+    q = ctx.option("quantile", 0.9, float)
+    if not 0 < q <= 1 or answer_tokens < 1:
+        raise ConfigError("--set quantile must be in (0, 1] and answer_tokens >= 1")
+    part = ctx.option("split", "tune" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all")
+    dtype = ctx.config.dtype
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
+    tok = Tokenizer(model_dir)
+    engine = Engine.from_dir(model_dir, dtype)
+    cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    planner = Planner(tok, context_limit=engine.spec.max_positions)
+    records = split(load_records(ctx.data), part)
+    n = ctx.count(8)
+    work = {b: choose_questions(planner, records, b, decode=answer_tokens, count=n, seed=ctx.seed) for b in bands}
+    if empty := [b for b, c in work.items() if not c]:
+        raise InputError(f"no question of the data renders to the band(s) {empty}; choose others with --set bands=")
+    tick(total=sum(len(c) for c in work.values()))
+    fitted = tuple(_band(b, c, cache, tok, ratios, answer_tokens, tick) for b, c in work.items())
+    profile = CalibrationProfile(
+        model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
+        data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=fitted,
+        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers)
+    out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
+    out.write_text(profile.to_json())
+    return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
+                                     "ratios": ratios, "quantile": q, "answer_tokens": answer_tokens,
+                                     "profile": str(out)},
+                       _rows(profile), _summary(profile, n))
+
+
+def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
+    return [{"band": b.name, "context_tokens": b.context_tokens, "ratio": p.ratio,
+             "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
+             "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup}
+            for b in profile.bands for p in b.points]
+
+
+def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompts": n * len(profile.bands), "profile": profile.id}
+    for b in profile.bands:
+        for budget in BUDGETS:
+            c = profile.choose(budget, b.context_tokens)
+            out[band_key(f"ratio_at_{budget}", b.name)] = "full" if c.options.policy == "full" else c.options.ratio
+    return out

@@ -1,0 +1,3 @@
+from contextkit.cli import main
+
+main()

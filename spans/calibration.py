@@ -1,0 +1,163 @@
+"""A model's calibration profile: what each recompute setting did to answers, per prompt-length band.
+
+``contextkit calibrate`` (``contextkit.bench.calibrate``) runs the tune half of a QA file through the
+span cache at several query_attention ratios and, per prompt, measures the answer KL over the whole
+teacher-forced answer against full prefill in the same dtype (``contextkit.bench.fidelity``). The profile
+keeps those per-prompt numbers, keyed by the model's weights digest and dtype, and answers one question
+at request time (``choose``): for a prompt of this many context tokens and a budget of b nats per answer
+token, which is the cheapest setting whose answer KL stays within b on the profile's quantile of the
+calibration prompts of the nearest length band?
+
+The fit is conservative, not a curve: settings are ordered by cost (the recompute ratio), and a setting
+qualifies only if it and every costlier setting meet the budget, so one lucky point below a bad one is
+never chosen. When none qualifies the request is a full prefill (exact). A profile made for other weights
+or another dtype is refused (``CalibrationError``), never used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from contextkit.core.errors import CalibrationError
+from contextkit.core.plan import ReuseOptions
+
+FORMAT = "contextkit-calibration-v1"
+log = logging.getLogger(__name__)
+
+
+def profile_path(model_dir: Path | str, dtype: str) -> Path:
+    """Where ``contextkit calibrate`` writes a model's profile for ``dtype``: beside its weights."""
+    return Path(model_dir) / f"contextkit-calibration-{dtype}.json"
+
+
+def quantile(values: list[float] | tuple[float, ...], q: float) -> float:
+    """The q-quantile by linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        raise CalibrationError("a calibration point with no prompts")
+    at = q * (len(xs) - 1)
+    lo, hi = math.floor(at), math.ceil(at)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One setting measured on one band's calibration prompts (the same prompts for every point)."""
+
+    ratio: float  # query_attention's recompute ratio (uncapped); 0: reuse with first-k sinks only
+    answer_kl: tuple[float, ...]  # per prompt: mean KL per answer token against same-dtype full prefill
+    tf_agreement: tuple[float, ...]  # per prompt: teacher-forced agreement with it
+    speedup: float  # median TTFT of same-dtype full prefill over this setting's (informational)
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    name: str
+    context_tokens: int  # median context tokens of its calibration prompts
+    points: tuple[Point, ...]  # sorted by ratio (cost)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What the profile chose for one request."""
+
+    options: ReuseOptions  # the setting to run (policy "full" when none is within the budget)
+    band: str
+    predicted_kl: float  # the chosen setting's answer KL at the profile's quantile (0 for full prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationProfile:
+    model_digest: str
+    dtype: str
+    quantile: float  # the share of calibration prompts a setting must keep within the budget
+    answer_tokens: int
+    data: str  # what it was calibrated on
+    bands: tuple[Band, ...]
+    first_k: int = 2
+    probe_layers: int = 8
+
+    @property
+    def id(self) -> str:
+        """Short, for reports: the digest's head and the dtype."""
+        return f"{self.model_digest[:12]}-{self.dtype}"
+
+    def band_for(self, context_tokens: int) -> Band:
+        """The band whose calibration prompts are nearest in length (log scale)."""
+        n = max(context_tokens, 1)
+        return min(self.bands, key=lambda b: abs(math.log(n / max(b.context_tokens, 1))))
+
+    def choose(self, budget: float, context_tokens: int) -> Choice:
+        """The cheapest setting whose answer KL at ``quantile`` is within ``budget``, it and every
+        costlier one; full prefill when none is."""
+        band = self.band_for(context_tokens)
+        kl = [quantile(p.answer_kl, self.quantile) for p in band.points]
+        chosen = None
+        worst_above = 0.0
+        for i in range(len(band.points) - 1, -1, -1):  # costliest first: the envelope of what follows
+            worst_above = max(worst_above, kl[i])
+            if worst_above <= budget:
+                chosen = i
+        if chosen is None:
+            return Choice(ReuseOptions(policy="full"), band.name, 0.0)
+        opts = ReuseOptions(policy="query_attention", ratio=band.points[chosen].ratio, max_recompute=None,
+                            first_k=self.first_k, probe_layers=self.probe_layers)
+        return Choice(opts, band.name, round(kl[chosen], 6))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "profile") -> CalibrationProfile:
+        try:
+            raw = json.loads(text)
+            if raw.pop("format", None) != FORMAT:
+                raise CalibrationError(f"{source} is not a {FORMAT} file; make one with `contextkit calibrate`")
+            bands = tuple(Band(b["name"], int(b["context_tokens"]), tuple(
+                Point(float(p["ratio"]), tuple(p["answer_kl"]), tuple(p["tf_agreement"]), float(p["speedup"]))
+                for p in b["points"])) for b in raw.pop("bands"))
+            profile = cls(bands=bands, **raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CalibrationError(f"{source} cannot be read ({exc}); run `contextkit calibrate` again") from None
+        if not profile.bands or any(not b.points for b in profile.bands):
+            raise CalibrationError(f"{source} holds no calibrated settings; run `contextkit calibrate` again")
+        return profile
+
+    @classmethod
+    def load(cls, path: Path | str, *, model_digest: str, dtype: str) -> CalibrationProfile:
+        """Read a profile and refuse it unless it was made for these weights and this dtype."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise CalibrationError(f"calibration profile {path} cannot be read: {exc.strerror}") from None
+        profile = cls.from_json(text, str(path))
+        if profile.model_digest != model_digest:
+            raise CalibrationError(
+                f"calibration profile {path} was made for other weights (digest {profile.model_digest[:12]}, "
+                f"this model is {model_digest[:12]}): it is not used; run `contextkit calibrate` for this model")
+        if profile.dtype != dtype:
+            raise CalibrationError(
+                f"calibration profile {path} was made for {profile.dtype}, this engine runs {dtype}: it is not "
+                f"used; run `contextkit calibrate --dtype {dtype}`")
+        return profile
+
+
+def find_profile(model_dir: Path | str, *, model_digest: str, dtype: str,
+                 explicit: Path | None = None) -> CalibrationProfile | None:
+    """The profile for an engine: ``explicit`` (refused with ``CalibrationError`` when it does not fit),
+    else the one beside the model for ``dtype`` (one that does not fit is ignored with a warning), else None."""
+    if explicit is not None:
+        return CalibrationProfile.load(explicit, model_digest=model_digest, dtype=dtype)
+    path = profile_path(model_dir, dtype)
+    if not path.is_file():
+        return None
+    try:
+        return CalibrationProfile.load(path, model_digest=model_digest, dtype=dtype)
+    except CalibrationError as exc:
+        log.warning("%s", exc)
+        return None

@@ -1,0 +1,57 @@
+"""`contextkit calibrate` on a tiny set: the profile it writes resolves budgets, and other weights refuse it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from contextkit.core.config import ContextKitConfig
+from contextkit.core.errors import CalibrationError
+from contextkit.core.models import weights_digest
+from contextkit.core.plan import ReuseOptions
+from contextkit.spans.calibration import CalibrationProfile
+
+pytestmark = pytest.mark.slow  # a subprocess on the real model, then a kit
+
+
+def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_path, smol_dir, gemma_dir, cli,
+                                                                             passage_text):
+    profile_file, table = tmp_path / "profile.json", tmp_path / "calibrate.json"
+    proc = cli("calibrate", "--n", "1", "--dtype", "float32", "--out", str(profile_file), "--json", str(table),
+               "--set", "bands=1.5k", "--set", "ratios=0,0.3", "--set", "answer_tokens=4", "--set", "split=all",
+               timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "profile written to" in proc.stderr
+    result = json.loads(table.read_text())
+    assert [(r["band"], r["ratio"]) for r in result["rows"]] == [("1.5k", 0.0), ("1.5k", 0.3)]
+    assert all(r["answer_kl_p90"] >= 0 and 0 <= r["tf_agreement"] <= 1 for r in result["rows"])
+
+    digest = weights_digest(smol_dir)
+    profile = CalibrationProfile.load(profile_file, model_digest=digest, dtype="float32")
+    assert profile.id == f"{digest[:12]}-float32" and profile.bands[0].name == "1.5k"
+    assert len(profile.bands[0].points[0].answer_kl) == 1
+    # another model's weights, or the same weights in another dtype: refused, never used
+    with pytest.raises(CalibrationError, match="other weights"):
+        CalibrationProfile.load(profile_file, model_digest=weights_digest(gemma_dir), dtype="float32")
+    with pytest.raises(CalibrationError, match="bfloat16"):
+        CalibrationProfile.load(profile_file, model_digest=digest, dtype="bfloat16")
+
+    # a kit given the profile resolves the default budget with it and says so in the report
+    from contextkit.core.types import Evidence
+    from contextkit.kit import ContextKit
+
+    kit = ContextKit(ContextKitConfig(model=str(smol_dir), dtype="float32", calibration=profile_file,
+                                      cache_dir=tmp_path / "cache"))
+    try:
+        docs = [Evidence(b, id=f"p{i}") for i, b in enumerate(passage_text.split("\n\n")[:3]) if b.strip()]
+        gen = kit.generate("Who was born first?", docs, reuse=ReuseOptions(fidelity_budget=1.0))
+        assert gen.reuse.profile == profile.id and gen.reuse.band == "1.5k" and gen.reuse.fidelity_budget == 1.0
+        # a budget every calibrated setting meets: the cheapest (reuse with first-k sinks only)
+        assert gen.reuse.policy == "query_attention" and gen.reuse.ratio == 0.0
+    finally:
+        kit.close()
+    with pytest.raises(CalibrationError, match="other weights"):
+        ContextKit(dataclasses.replace(ContextKitConfig(model=str(gemma_dir), dtype="float32",
+                                                        cache_dir=tmp_path / "cache"), calibration=profile_file))

@@ -1,0 +1,147 @@
+"""The calibration profile: which setting a budget chooses, and which profiles are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from contextkit.core.errors import CalibrationError, ConfigError, InputError
+from contextkit.core.plan import DEFAULT_FIDELITY_BUDGET, ReuseOptions
+from contextkit.spans.calibration import Band, CalibrationProfile, Point, find_profile, profile_path, quantile
+from contextkit.spans.assemble import SpanCache
+
+DIGEST = "ab" * 32
+
+
+def _point(ratio: float, kls: list[float]) -> Point:
+    return Point(ratio, tuple(kls), tuple(1.0 - k for k in kls), speedup=1.0 / (0.2 + ratio))
+
+
+def _profile(bands: tuple[Band, ...], q: float = 0.9) -> CalibrationProfile:
+    return CalibrationProfile(model_digest=DIGEST, dtype="float32", quantile=q, answer_tokens=32, data="hand-made",
+                              bands=bands)
+
+
+SHORT = Band("1.5k", 1500, (
+    _point(0.0, [0.30, 0.40, 0.50]),
+    _point(0.1, [0.05, 0.08, 0.12]),
+    _point(0.3, [0.01, 0.02, 0.04]),
+    _point(0.5, [0.005, 0.01, 0.02]),
+))
+LONG = Band("4k", 4000, (
+    _point(0.0, [0.2, 0.2, 0.2]),
+    _point(0.1, [0.01, 0.01, 0.01]),  # lucky: below the budget while a costlier point is above it
+    _point(0.3, [0.09, 0.09, 0.09]),
+    _point(0.5, [0.01, 0.01, 0.01]),
+))
+
+
+def test_quantile_interpolates_like_numpy():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
+    assert quantile([5.0], 0.9) == 5.0
+
+
+def test_the_cheapest_setting_within_the_budget_for_the_nearest_band():
+    p = _profile((SHORT, LONG))
+    c = p.choose(0.05, 1400)
+    # p90 of the r=0.3 point is 0.036 (within 0.05), r=0.1's is 0.112 (not)
+    assert c.band == "1.5k" and c.options.policy == "query_attention" and c.options.ratio == 0.3
+    assert c.options.max_recompute is None and c.predicted_kl == pytest.approx(0.036)
+    assert p.choose(0.2, 1400).options.ratio == 0.1
+    assert p.choose(1.0, 1400).options.ratio == 0.0  # everything fits: reuse with the sinks only
+    assert p.choose(0.001, 1400).options.policy == "full"  # nothing fits: exact
+    assert p.band_for(3000).name == "4k" and p.band_for(2000).name == "1.5k" and p.band_for(50_000).name == "4k"
+
+
+def test_a_lucky_point_below_a_bad_one_is_never_chosen():
+    c = _profile((SHORT, LONG)).choose(0.05, 4000)
+    assert c.band == "4k" and c.options.ratio == 0.5  # not r=0.1, though its own KL is within the budget
+    assert _profile((SHORT, LONG)).choose(0.1, 4000).options.ratio == 0.1
+
+
+def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_path):
+    p = _profile((SHORT, LONG))
+    path = profile_path(tmp_path, "float32")
+    path.write_text(p.to_json())
+    assert CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32") == p
+    with pytest.raises(CalibrationError, match="other weights"):
+        CalibrationProfile.load(path, model_digest="cd" * 32, dtype="float32")
+    with pytest.raises(CalibrationError, match="bfloat16"):
+        CalibrationProfile.load(path, model_digest=DIGEST, dtype="bfloat16")
+    # found beside the model: a profile for other weights is ignored (with a warning), an explicit one refused
+    assert find_profile(tmp_path, model_digest="cd" * 32, dtype="float32") is None
+    assert find_profile(tmp_path, model_digest=DIGEST, dtype="bfloat16") is None  # none for that dtype
+    with pytest.raises(CalibrationError):
+        find_profile(tmp_path, model_digest="cd" * 32, dtype="float32", explicit=path)
+    path.write_text('{"format": "something else"}')
+    with pytest.raises(CalibrationError, match="contextkit calibrate"):
+        CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
+    path.write_text("{not json")
+    with pytest.raises(CalibrationError, match="cannot be read"):
+        CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
+
+
+def test_budget_options_check_their_range_and_policy():
+    assert ReuseOptions().policy == "budget" and ReuseOptions().budget == DEFAULT_FIDELITY_BUDGET
+    assert ReuseOptions(fidelity_budget=0.1).budget == 0.1 and ReuseOptions(fidelity_budget=1.0).budget == 1.0
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(InputError, match=r"\(0, 1\]") as err:
+            ReuseOptions(fidelity_budget=bad)
+        assert err.value.param == "fidelity_budget"
+    with pytest.raises(ConfigError, match="attention_budget"):
+        ReuseOptions(policy="query_attention", fidelity_budget=0.1)
+    fb = ReuseOptions(policy="query_attention", ratio=0.2).fallback()
+    assert fb.policy == "query_attention" and fb.ratio == 0.2 and fb.max_recompute == ReuseOptions().max_recompute
+
+
+@pytest.fixture(scope="module")
+def assembled(smol_dir, passage_text):
+    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Evidence
+    from contextkit.engine.model import Engine
+
+    engine, tok = Engine.from_dir(smol_dir), Tokenizer(smol_dir)
+    blocks = [b for b in passage_text.split("\n\n") if b.strip()][:4]
+    docs = [Evidence(b, id=f"p{i}") for i, b in enumerate(blocks)]
+    plan = Planner(tok).plan(ChatRequest.ask("Who was born first?", docs, ordering="retrieval"))
+    return engine, tok, plan
+
+
+def test_the_assembler_resolves_the_budget_and_reports_which_profile_chose(assembled, caplog):
+    engine, tok, plan = assembled
+    plain = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
+    for it in plan.items[:-1]:  # compiled ahead, as a corpus is
+        plain.compiled(it.span)
+    with caplog.at_level(logging.WARNING, logger="contextkit.spans.assemble"):
+        r1 = plain.assemble(dataclasses.replace(plan, options=ReuseOptions())).report
+        r2 = plain.assemble(dataclasses.replace(plan, options=ReuseOptions())).report
+    assert [m for m in caplog.messages if "contextkit calibrate" in m] and len(caplog.messages) == 1  # once
+    assert r1.policy == r2.policy == "query_attention" and r1.profile == "none" and r1.band is None
+    assert r1.fidelity_budget == DEFAULT_FIDELITY_BUDGET
+
+    n = plan.num_tokens
+    band = Band("here", n, (_point(0.0, [0.5, 0.5]), _point(0.2, [0.03, 0.03]), _point(0.6, [0.02, 0.02])))
+    profile = dataclasses.replace(_profile((band,)), model_digest=engine.fingerprint.digest)
+    cal = SpanCache(engine, store=plain.store, tokenizer_fingerprint=tok.fingerprint, profile=profile)
+    r = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.05))).report
+    assert (r.policy, r.ratio, r.profile, r.band, r.fidelity_budget) == ("query_attention", 0.2, profile.id, "here", 0.05)
+    assert r.recomputed_tokens > 0
+    exact = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.01))).report
+    assert exact.policy == "full" and exact.reused_tokens == 0 and exact.profile == profile.id
+    # an explicit policy is never overridden by the profile
+    own = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(policy="none", first_k=0))).report
+    assert own.policy == "none" and own.profile is None and own.recomputed_tokens == 0
+
+
+def test_a_request_budget_out_of_range_is_a_422_field_error():
+    from contextkit.integrations.edge.parse import reuse_options
+
+    for bad in (0, 1.5, -1):
+        with pytest.raises(InputError, match="fidelity_budget"):
+            reuse_options({"fidelity_budget": bad})
+    assert reuse_options({"fidelity_budget": 0.1}).budget == 0.1
+    assert reuse_options({"policy": "query_attention", "attention_budget": 0.2}).attention_budget == 0.2
