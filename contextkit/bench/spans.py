@@ -229,7 +229,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         band_rows = _rows(band, per, table, dflt, [rec.source for rec, _ in chosen])
         rows += band_rows
         summary.update(_summary(band, band_rows, dflt, median(compile_ms)))
-    holds = [r["budget_holds"] for r in rows if r.get("budget_holds") is not None]
+    holds = [r["budget_holds"] for r in rows if r.get("budget_holds") is not None and r["dtype"] == dtype]
     summary["budget_holds_min"] = min(holds) if holds else None
     summary["calibration_profile"] = caches[dtype].profile.id if caches[dtype].profile else "none"
 
@@ -341,8 +341,8 @@ def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float
         "compile_ms_p50_per_question": round(compile_ms, 1),
         "context_tokens_p50": by[REFERENCE]["context_tokens_p50"],
     }
-    for r in by.values():
-        if r.get("budget_holds") is not None:
+    for r in by.values():  # the budgets on the configured engine (the default's dtype)
+        if r.get("budget_holds") is not None and r["dtype"] == d["dtype"]:
             out[f"budget_holds_{r['fidelity_budget']}"] = r["budget_holds"]
             out["profile"] = r["profile"]
     budget = by.get("attention_budget=0.2")

@@ -74,7 +74,7 @@ def test_bench_spans_small_run(tmp_path, smol_dir, cli, vllm_url):
         assert rows["full"]["tf_agreement_fp32"] == 1 and rows["full"]["answer_kl_p90_fp32"] == 0
         assert rows["full"]["gold_logprob_delta_fp32"] == 0
         assert sum(r["default"] for r in rows.values()) == 1
-        budgets = [r for r in rows.values() if r["policy"] == "budget"]
+        budgets = [r for r in rows.values() if r["policy"] == "budget" and r["dtype"] == result["config"]["dtype"]]
         assert sorted(r["fidelity_budget"] for r in budgets) == [0.02, 0.05, 0.1]
         assert all(r["profile"] == s["calibration_profile"] for r in budgets)  # "none" on a fresh machine
         for r in rows.values():
