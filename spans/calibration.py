@@ -24,6 +24,7 @@ from pathlib import Path
 
 from contextkit.core.errors import CalibrationError
 from contextkit.core.plan import ReuseOptions
+from contextkit.core.stats import percentile
 
 FORMAT = "contextkit-calibration-v1"
 log = logging.getLogger(__name__)
@@ -35,13 +36,10 @@ def profile_path(model_dir: Path | str, dtype: str) -> Path:
 
 
 def quantile(values: list[float] | tuple[float, ...], q: float) -> float:
-    """The q-quantile by linear interpolation between order statistics (numpy's default)."""
-    xs = sorted(values)
-    if not xs:
+    """The q-quantile (q in [0, 1]) by the project's one percentile (``core.stats``, numpy's interpolation)."""
+    if not values:
         raise CalibrationError("a calibration point with no prompts")
-    at = q * (len(xs) - 1)
-    lo, hi = math.floor(at), math.ceil(at)
-    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+    return percentile(values, 100 * q)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ TTFT. The profile keeps the per-prompt numbers; a budget is later resolved at ``
 them. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
 Rows: one per band and ratio (answer KL p50/p90, tf_agreement, speedup vs full prefill in the same run);
-summary: per band, the ratio each budget in ``bench.spans.BUDGETS`` would choose.
+summary: per band, the ratio each budget in ``BUDGETS`` (also ``bench spans``' budget rows) would choose.
 """
 
 from __future__ import annotations
