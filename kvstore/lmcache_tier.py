@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.kvstore.deadline import Deadline
 from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, decode, encode
@@ -247,37 +249,59 @@ class LMCacheTier(RemoteHealth):
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
+        self.put_many([(key, entry)])
+
+    def put_many(self, items: Sequence[tuple[StoreKey, Entry]], *, encoded: dict | None = None) -> None:
+        """Submit the entries in one LMCache call. ``encoded`` is shared by the tiers of one store: an
+        entry already encoded under the same keys by another tier is not encoded again."""
         t0 = time.perf_counter()
-        entry.check_for(key)
+        if not items:
+            return
         if not self._available():
-            self._stats.add("errors")
+            self._stats.add("errors", len(items))
             return
-        chunks = encode(entry, self.cfg.mac_key, self.cfg.enc_key)
-        size = sum(len(c) for c in chunks)
-        torch = self._torch
-        try:
-            obj = self._sm.allocate(torch.Size([size]), torch.uint8)
-        except Exception:  # noqa: BLE001
-            obj = None
-        if obj is None:  # LMCache's pool is full (or the entry is larger than it): not stored, counted
-            self._stats.add("errors")
+        encoded = {} if encoded is None else encoded
+        keys, objs, size = [], [], 0
+        for key, entry in items:
+            entry.check_for(key)
+            memo = (id(entry), self.cfg.mac_key, self.cfg.enc_key)
+            if memo not in encoded:
+                encoded[memo] = (entry, encode(entry, self.cfg.mac_key, self.cfg.enc_key))  # entry: keeps id valid
+            obj = self._copy_in(encoded[memo][1])
+            if obj is None:  # LMCache's pool is full (or the entry is larger than it): not stored, counted
+                self._stats.add("errors")
+                continue
+            keys.append(self._key(key))
+            objs.append(obj)
+            size += obj.tensor.numel()
+        if not objs:
             return
-        view = obj.tensor.reshape(-1)
-        off = 0
-        for c in chunks:
-            if isinstance(c, bytes):
-                c = bytearray(c)  # the header: small; torch wants a writable buffer to read from
-            n = len(c)
-            view[off : off + n].copy_(torch.frombuffer(c, dtype=torch.uint8) if n else view[:0])
-            off += n
         try:
-            self._call(self._sm.batched_put, [self._key(key)], [obj])
+            self._call(self._sm.batched_put, keys, objs)
         except Exception:  # noqa: BLE001
             self._failed()
             return
-        self._stats.add("puts")
+        self._stats.add("puts", len(objs))
         self._stats.add("put_bytes", size)
         self._stats.time("put", t0)
+
+    def _copy_in(self, chunks):
+        """The encoded chunks copied into a buffer of LMCache's pool; None when the pool has no room."""
+        torch = self._torch
+        try:
+            obj = self._sm.allocate(torch.Size([sum(len(c) for c in chunks)]), torch.uint8)
+        except Exception:  # noqa: BLE001
+            obj = None
+        if obj is None:
+            return None
+        # numpy's copy, not torch's: on a connector's save thread a torch copy starts an OpenMP team that
+        # competes with vLLM's forward for the cores (connector.paged.unstage)
+        view, off = obj.tensor.reshape(-1).numpy(), 0
+        for c in chunks:
+            n = len(c)
+            view[off : off + n] = np.frombuffer(c, dtype=np.uint8)
+            off += n
+        return obj
 
     def wait_visible(self, key: StoreKey, timeout_s: float = 10.0) -> bool:
         """Block until an asynchronous put can be read back (tests, benchmarks, cross-process handoff)."""

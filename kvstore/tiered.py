@@ -83,6 +83,18 @@ class TieredStore:
         for tier in self.tiers:
             tier.put(key, entry)
 
+    def put_many(self, items: Sequence[tuple[StoreKey, Entry]]) -> None:
+        """``put`` of every item, one batched call per tier that has one; tiers that store the same
+        encoding (LMCache's, under one deployment's keys) share it: each entry is encoded once."""
+        encoded: dict = {}
+        for tier in self.tiers:
+            batch = getattr(tier, "put_many", None)
+            if batch is not None:
+                batch(items, encoded=encoded)
+            else:
+                for key, entry in items:
+                    tier.put(key, entry)
+
     def delete(self, key: StoreKey) -> bool:
         return any([t.delete(key) for t in self.tiers])
 

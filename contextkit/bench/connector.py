@@ -12,7 +12,8 @@ same Redis). Rows, in the order they run:
 - ``prefix caching``: the requests in sequence under one tenant on A with the connector off: vLLM's
   prefix cache hits what an earlier request of the session left as a prefix (plain prefix caching).
 - ``prefix caching, connector saving``: the same under another tenant with the connector on: every block
-  is saved (on this 2-core machine the save thread's encoding and writes compete with the next prefill).
+  is saved, staged on the step and written by the save thread in the turns its pacer gives (vLLM idle,
+  or ``save_busy_share`` of the time while it serves; ``--set save_busy_share=`` / ``save_quiet_s=``).
 - ``connector after restart``: once the store holds what the saving row computed (``saved_share_before_restart``:
   what arrived within 120 s), A restarted (its prefix cache empty), the same requests: blocks load
   from the disk tier.
@@ -20,6 +21,7 @@ same Redis). Rows, in the order they run:
 - ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
   (``integrations/proxy/span_compiler.py``), each span new to the store compiled alone right after (as the
   proxy's compiler does), then A's prefix cache emptied.
+- (the store then holds the compiled spans: ``span_saved_share``, what arrived within 120 s)
 - ``span reuse (pic)``: the requests again, spans loaded re-rotated from the store, the question computed
   (reuse without recompute); then the prefix cache emptied again and
 - ``span reuse, recompute last span``: the same with the last span computed in its context.
@@ -34,6 +36,7 @@ TTFT), ``pic_speedup_vs_prefix`` (prefix caching / pic), ``pic_top1_agreement``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import urllib.request
@@ -67,16 +70,18 @@ def _first(obj: dict) -> tuple[str, dict[str, float]]:
     return c.get("text", ""), top
 
 
-def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, prompts, timeout_s: float = 120.0) -> float:
-    """Wait until the store holds every full block the saving row computed (saves finish on the
-    connector's thread after each answer); the share that arrived within ``timeout_s`` (the rest was
-    dropped: the save queue was full)."""
+def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, *, prompts=(), spans=(),
+                timeout_s: float = 120.0) -> float:
+    """Wait until the store holds every full block of ``prompts`` and every span of ``spans`` (token id
+    tuples) saved under ``salt`` (saves finish on the connector's thread after each answer, in the turns
+    its pacer gives); the share that arrived within ``timeout_s`` (the rest was dropped)."""
     from contextkit.core.spec import load_spec
     from contextkit.core.tenancy import derive
     from contextkit.integrations.vllm_connector.keys import (
         KVGeometry,
         block_keys,
         model_fingerprint,
+        span_key,
     )
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
@@ -84,6 +89,7 @@ def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, prompts, 
     geom = KVGeometry(model_fingerprint(model_dir), "bfloat16", block, spec.num_layers, spec.num_kv_heads,
                       spec.head_dim)
     keys = {k.digest: k for p in prompts for k in block_keys(geom, salt, p.ids, (p.num_tokens - 1) // block)}
+    keys.update((k.digest, k) for k in (span_key(geom, salt, list(ids)) for ids in spans))
     tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=derive(cfg.load_secret(), "kv-mac")))
     try:
         deadline, missing = time.monotonic() + timeout_s, dict(keys)
@@ -115,6 +121,7 @@ class _Servers:
     a_settings: Any = None
     a_port: int = 0
     services: list = field(default_factory=list)
+    saving: dict = field(default_factory=dict)  # ConnectorSettings' save_* fields the run sets (--set)
 
     def server(self, name: str, settings, port: int = 0):
         from contextkit.integrations.launchers.vllm_server import (
@@ -136,8 +143,9 @@ class _Servers:
         if not redis_url:
             self.services.append(redis_server(log_file=self.logs / "bench-connector-redis.log").start())
             redis_url = self.services[-1].url
-        self.a_settings = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir)
-        b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir)
+        self.a_settings = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir,
+                                            **self.saving)
+        b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir, **self.saving)
         self.a_port = free_port()
         tick("starting vLLM A and B")
         self.a, self.b = self.server("a", self.a_settings, self.a_port), self.server("b", b_set)
@@ -183,7 +191,7 @@ def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redi
     m.measure("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
     m.measure("prefix caching, connector saving", srv.a.url, lambda i, p: _body(p, salt))
     m.tick("waiting for A's saves")
-    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, m.prompts)
+    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, prompts=m.prompts)
     m.tick("restarting A")
     srv.restart_a()
     m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
@@ -191,9 +199,10 @@ def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redi
     return saved_share
 
 
-def _span_rows(m: _Rows, url: str) -> None:
-    """The span rows on A: the first pass (each new span compiled after it), then reuse twice, A's prefix
-    cache emptied before each."""
+def _span_rows(m: _Rows, url: str, wait_saved) -> float:
+    """The span rows on A: the first pass (each new span compiled after it), then, once the compiled
+    spans are stored (``wait_saved``), reuse twice, A's prefix cache emptied before each; the share of the
+    compiled spans stored."""
     from contextkit.core.plan import ReuseOptions
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
     from contextkit.integrations.proxy.span_compiler import (
@@ -217,13 +226,14 @@ def _span_rows(m: _Rows, url: str) -> None:
                 _post(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
                             "kv_transfer_params": {"contextkit": {"mode": "span"}}})
         m.tick("span compile (first pass)")
-    time.sleep(2.0)
+    span_share = wait_saved(spans=compiled)
     if not reset_prefix_cache(url):
         raise UpstreamError("vLLM refused /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 is needed)")
     m.measure("span reuse (pic)", url, lambda i, p: _body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
     reset_prefix_cache(url)
     m.measure("span reuse, recompute last span", url,
               lambda i, p: _body(p, pic_salt(salt, last), pic_params(p, salt, last)))
+    return span_share
 
 
 def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
@@ -306,18 +316,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     prompts = _plan_all(requests, model_dir, block)
     tick(total=len(prompts) * len(ROWS) + 4)
 
-    m, srv = _Rows(prompts, salt, tick), _Servers(model_dir, block, logs)
+    saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
+    saving = {k: v for k, v in saving.items() if v is not None}
+    m, srv = _Rows(prompts, salt, tick), _Servers(model_dir, block, logs, saving=saving)
     redis_url = ctx.option("redis", "")
     try:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
-        _span_rows(m, srv.a.url)
+        span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt))
     finally:
         srv.stop()
 
     tokens = [p.num_tokens for p in prompts]
     out_rows = _row_stats(m.per, tokens)
     summary = _summary({r["row"]: r for r in out_rows}, saved_share, tokens)
+    summary["span_saved_share"] = span_share
     config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
-              "data": str(ctx.data) if ctx.data else "default"}
+              "data": str(ctx.data) if ctx.data else "default", **saving}
     return BenchResult("connector", config, out_rows, summary)

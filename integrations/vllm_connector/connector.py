@@ -18,9 +18,10 @@ and what both roles share (settings, KV geometry, RoPE geometry, the store) are 
 call is delegated by role. The scheduler side (``scheduler.ConnectorScheduler``) looks entries up and plans
 loads and saves; the worker side (``worker.ConnectorWorker``) moves the tensors (``paged.PagedKV``) and
 talks to the store for the bytes; ``metadata.ConnectorMeta`` is all that passes between them, per step.
-Loads are synchronous (done before the forward that needs them); saves copy the tokens out of the cache
-and go to the store on a background thread through a queue bounded in bytes (``saves``), so a slow store
-never holds a step.
+Loads are synchronous (done before the forward that needs them); saves copy the blocks out of the cache
+and go to the store on a background thread through a queue bounded in bytes (``saves``), written while
+vLLM is idle or a bounded share of the time while it serves (``pacing``), so neither a slow store nor
+the saving itself holds a step.
 
 Faults: a store that is down or slow answers a miss within ``timeout_s`` per step, all calls together:
 one batched lookup per request, one batched fetch per worker step (``lookup``), so vLLM computes; an entry that is gone, fails its MAC or checksum, or whose geometry or token ids do not
@@ -32,6 +33,8 @@ whole values (Redis SET, the disk tier's temp file + rename) and every entry car
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,7 @@ from contextkit.core.tenancy import deployment_secret, derive
 from contextkit.integrations.vllm_connector.compat import SUPPORTED_VLLM, check_vllm_version
 from contextkit.integrations.vllm_connector.keys import KVGeometry, model_fingerprint
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.saves import SAVE_NICE
 from contextkit.integrations.vllm_connector.scheduler import ConnectorScheduler
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 from contextkit.integrations.vllm_connector.stats import ConnectorPromMetrics, ConnectorStats
@@ -91,7 +95,9 @@ class ContextKitConnector(KVConnectorBase_V1):
                                    self.block_size, mc.get_num_layers(par), mc.get_num_kv_heads(par),
                                    mc.get_head_size())
         self.rope = _rope_specs(self.model_dir)
-        self.store = _open_store(self.settings)
+        # the worker's store threads (LMCache's loop and writers) do the saves' I/O: they start at the save
+        # thread's low CPU priority, which threads inherit on Linux (saves.SAVE_NICE)
+        self.store = _open_store(self.settings, nice=SAVE_NICE if role != KVConnectorRole.SCHEDULER else 0)
         # one side per role, as vLLM's own connectors: the other stays None
         self.connector_scheduler: ConnectorScheduler | None = None
         self.connector_worker: ConnectorWorker | None = None
@@ -125,6 +131,16 @@ class ContextKitConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)  # vLLM calls it before every step's forward
+        if self.connector_worker is not None:
+            self.connector_worker.pacer.step_began()
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()  # ... and this after the step (after wait_for_save)
+        if self.connector_worker is not None:
+            self.connector_worker.pacer.step_ended()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.connector_worker is not None
@@ -169,7 +185,32 @@ class ContextKitConnector(KVConnectorBase_V1):
 
 
 # -- set-up shared by both roles ------------------------------------------------------------------------
-def _open_store(s: ConnectorSettings):
+def _open_store(s: ConnectorSettings, *, nice: int = 0):
+    """The connector's tiers; with ``nice``, opened on a thread at that nice value, so that the threads
+    LMCache starts for them inherit it (Linux; elsewhere, or not allowed, they run at normal priority)."""
+    if not nice:
+        return _tiers(s)
+    out: list = []
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError):
+            pass
+        try:
+            out.append(_tiers(s))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out.append(exc)
+
+    t = threading.Thread(target=run, name="contextkit-connector-open-store")
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _tiers(s: ConnectorSettings):
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
     from contextkit.kvstore.tiered import TieredStore
 

@@ -46,8 +46,12 @@ class ConnectorSettings:
             answered by then is a miss, and vLLM computes it.
         cache_dir: where the deployment secret lives (``<cache_dir>/secret``), shared with the proxy.
         secret_file: the secret's file, when it is not ``<cache_dir>/secret``.
-        save_queue_bytes: bytes of entries waiting for the store at most; past it a save is dropped (and
-            counted), so a slow store never holds a forward step nor fills the server's memory.
+        save_queue_bytes: bytes of saves staged or waiting for the store at most; past it the saves worth
+            least (deepest into their prompts) are dropped and counted, so a slow store never holds a
+            forward step nor fills the server's memory.
+        save_busy_share: while vLLM serves, the share of the time the save thread may spend writing
+            (``pacing``); saves are written at once when it is idle. 0: only when idle.
+        save_quiet_s: how long after a step vLLM counts as idle.
         encrypt: encrypt entries at rest (AES-256-GCM under a key derived from the secret).
         max_spans: spans of one pic request looked up at most; past it the rest are computed by vLLM (and
             a warning says so), so one request cannot make the scheduler's lookup arbitrarily long.
@@ -60,6 +64,8 @@ class ConnectorSettings:
     cache_dir: Path = DEFAULT_CACHE_DIR
     secret_file: Path | None = None
     save_queue_bytes: int = 1 << 30
+    save_busy_share: float = 0.05
+    save_quiet_s: float = 0.05
     encrypt: bool = False
     max_spans: int = 256
 
@@ -78,6 +84,9 @@ class ConnectorSettings:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, Path(value).expanduser())
+        if not 0.0 <= self.save_busy_share <= 1.0 or not 0.0 <= self.save_quiet_s <= 10.0:
+            raise ConfigError(f"save_busy_share must be in [0, 1] and save_quiet_s in [0, 10] seconds, got "
+                              f"{self.save_busy_share}, {self.save_quiet_s}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

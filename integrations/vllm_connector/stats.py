@@ -19,7 +19,7 @@ COUNTERS = {
     "load_failures": "entries that were missing, failed their MAC or checksum, or did not match (vLLM recomputed)",
     "saved_entries": "blocks and spans handed to the store",
     "saved_tokens": "tokens in those entries",
-    "dropped_saves": "saves dropped because the save queue was full or the store refused them",
+    "dropped_saves": "saves dropped because the save queue was full (the least worth first) or the store refused them",
 }
 
 

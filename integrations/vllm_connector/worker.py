@@ -5,7 +5,9 @@ delegates to it) and hands it each step's ``ConnectorMeta`` from the scheduler s
 synchronous: one batched fetch per step under one deadline (``lookup.fetch``), then one rotation and one
 cache write per layer, before the forward that needs them. An entry that is gone, fails its checks or
 does not match is not loaded, is counted, and its blocks are reported to vLLM, which recomputes them.
-Saves copy the step's tokens out of the cache and go to the store on a background thread (``saves``).
+Saves copy the step's blocks out of the cache raw and go to the store on a background thread (``saves``),
+which writes when vLLM is idle or, while it serves, a bounded share of the time (``pacing``: the facade
+marks each step's start and end).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextkit.core.errors import ConfigError
 from contextkit.integrations.vllm_connector.keys import KVGeometry
 from contextkit.integrations.vllm_connector.lookup import Piece, fetch
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.pacing import Pacer
 from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
 from contextkit.integrations.vllm_connector.saves import SaveQueue
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
@@ -49,6 +52,7 @@ class ConnectorWorker:
         self._rotator = None
         self._load_errors: set[int] = set()
         self._saves: SaveQueue | None = None
+        self.pacer = Pacer(busy_share=settings.save_busy_share, quiet_s=settings.save_quiet_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         def index(name: str) -> int:
@@ -66,7 +70,8 @@ class ConnectorWorker:
             raise ConfigError(f"KV cache heads/head size {self._paged.num_heads}/{self._paged.head_size} differ from "
                               f"the model's {self.geometry.num_kv_heads}/{self.geometry.head_size}")
         self._saves = SaveQueue(self.store, budget_bytes=self.settings.save_queue_bytes, counters=self.counters,
-                                layout=self.geometry.layout())
+                                layout=self.geometry.layout(), pacer=self.pacer)
+        self._saves.prewarm(layers=len(self._caches), paged=self._paged)
 
     def start_load_kv(self, meta: object) -> None:
         if not isinstance(meta, ConnectorMeta) or not meta.loads or self._paged is None:

@@ -31,3 +31,5 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
     for key in ("restart_speedup", "pic_speedup_vs_prefix", "pic_top1_agreement", "shared_tier_speedup"):
         assert s[key] is not None and s[key] > 0, key
     assert 0 <= s["pic_top1_agreement"] <= 1
+    # saves wait for turns (the server idle, or a share of the time), but they all arrive: nothing dropped
+    assert s["saved_share_before_restart"] == 1.0 and s["span_saved_share"] == 1.0

@@ -114,6 +114,26 @@ def test_paged_reader_inverts_vllms_cpu_cache_op(dtype, isa):
     assert torch.equal(k2, k) and torch.equal(v2, v)
     k3, _ = paged.read(cache, slots[10:20])
     assert torch.equal(k3, k[:, 10:20])
+    # saves stage whole blocks raw and unpack them later (a strided view for both packings here)
+    assert paged._strided_k is not None and paged._strided_v is not None
+    buf = torch.empty(2, 4, *paged.block_shape, dtype=dtype)  # room for more blocks than staged
+    staged = paged.stage([cache, cache * 2], torch.tensor([4, 1, 5]), buf)
+    k4, v4 = paged.unstage(staged, torch.tensor([0, 1, 2]), 7, 77)
+    assert torch.equal(k4, torch.stack([k, k * 2])) and torch.equal(v4, torch.stack([v, v * 2]))
+    k5, _ = paged.unstage(staged, torch.tensor([2]), 0, 13)  # block 5: tokens 64..76, through a row list
+    assert torch.equal(k5[0], k[:, 57:])
+
+
+def test_the_nhd_layout_stages_and_unstages_too():
+    from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
+    cache = torch.zeros(2, 6, BS, 3, 64)
+    paged = PagedKV(cache, BS)
+    slots = slots_of([4, 1, 5], BS, 7, 7 + 70)
+    k, v = torch.randn(3, 70, 64), torch.randn(3, 70, 64)
+    paged.write(cache, slots, k, v)
+    staged = paged.stage([cache], torch.tensor([4, 1, 5]), torch.empty(1, 3, *paged.block_shape))
+    k2, v2 = paged.unstage(staged, torch.tensor([0, 1, 2]), 7, 77)
+    assert torch.equal(k2[0], k) and torch.equal(v2[0], v)
 
 
 def test_paged_reader_refuses_an_unknown_layout():
@@ -121,55 +141,6 @@ def test_paged_reader_refuses_an_unknown_layout():
 
     with pytest.raises(ConfigError, match="does not know this KV cache layout"):
         PagedKV(torch.zeros(4, 3, 16, 128), BS)
-
-
-def test_the_save_queue_holds_at_most_its_budget_while_the_store_is_stuck():
-    """A store whose put waits: a step's saves are admitted while they fit the budget, each queued entry
-    holds storage of its own (a view of the step's stacked K/V kept every dropped save of the step alive),
-    and the bytes held, counted from the tensors' storage, stay within the budget (issue #26)."""
-    import threading
-
-    from contextkit.integrations.vllm_connector.keys import ConnectorKey
-    from contextkit.integrations.vllm_connector.paged import PagedKV
-    from contextkit.integrations.vllm_connector.saves import SaveOp, SaveQueue
-    from contextkit.integrations.vllm_connector.stats import Counters
-    from contextkit.kvstore.memory import MemoryTier
-
-    class StuckStore(MemoryTier):  # a real store; its put waits until the test lets it go
-        def __init__(self):
-            super().__init__(1 << 30)
-            self.release, self.entered, self.held = threading.Event(), threading.Event(), []
-
-        def put(self, key, entry):
-            self.held.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                                  for t in entry.tensors.values()}.values()))
-            self.entered.set()
-            assert self.release.wait(60)
-            super().put(key, entry)
-
-    layers, blocks = 4, 6
-    caches = [(f"layers.{i}.attn", torch.randn(blocks, 3, BS, 128).to(torch.bfloat16)) for i in range(layers)]
-    paged = PagedKV(caches[0][1], BS, isa="vec")
-    entry_bytes = BS * (2 * layers * 3 * 64 * 2 + 8)  # k and v in bf16, and the token ids
-    store, counters = StuckStore(), Counters()
-    saves = SaveQueue(store, budget_bytes=int(2.5 * entry_bytes), counters=counters, layout="test")
-    ops = [SaveOp(ConnectorKey(f"{b:064x}", "salt.t", BS), b * BS, (b + 1) * BS, tuple(range(BS)), tuple(range(blocks)))
-           for b in range(blocks)]
-    try:
-        saves.submit(ops, caches=caches, paged=paged)
-        assert store.entered.wait(60)
-        assert counters.total["dropped_saves"] == blocks - 2 and saves.pending_bytes <= saves.budget_bytes
-        assert store.held[0] == entry_bytes  # its own storage, not the step's
-        saves.submit(ops, caches=caches, paged=paged)  # the budget is still held: all dropped
-        assert counters.total["dropped_saves"] == 2 * blocks - 2
-        store.release.set()
-    finally:
-        store.release.set()
-        saves.close()
-    assert store.held == [entry_bytes, entry_bytes] and saves.pending_bytes == 0
-    assert counters.total["saved_entries"] == 2
-    got = store.get(ops[1].key)
-    assert torch.equal(got.tensors["k"], torch.stack([paged.read(c, torch.arange(BS, 2 * BS))[0] for _, c in caches]))
 
 
 class DelayProxy:
