@@ -33,8 +33,7 @@ whole values (Redis SET, the disk tier's temp file + rename) and every entry car
 from __future__ import annotations
 
 import logging
-import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +50,7 @@ from contextkit.core.tenancy import deployment_secret, derive
 from contextkit.integrations.vllm_connector.compat import SUPPORTED_VLLM, check_vllm_version
 from contextkit.integrations.vllm_connector.keys import KVGeometry, model_fingerprint
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
-from contextkit.integrations.vllm_connector.saves import SAVE_NICE
+from contextkit.integrations.vllm_connector.saves import SAVE_NICE, lower_priority
 from contextkit.integrations.vllm_connector.scheduler import ConnectorScheduler
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 from contextkit.integrations.vllm_connector.stats import ConnectorPromMetrics, ConnectorStats
@@ -187,27 +186,12 @@ class ContextKitConnector(KVConnectorBase_V1):
 # -- set-up shared by both roles ------------------------------------------------------------------------
 def _open_store(s: ConnectorSettings, *, nice: int = 0):
     """The connector's tiers; with ``nice``, opened on a thread at that nice value, so that the threads
-    LMCache starts for them inherit it (Linux; elsewhere, or not allowed, they run at normal priority)."""
+    LMCache starts for them inherit it (``saves.lower_priority``)."""
     if not nice:
         return _tiers(s)
-    out: list = []
-
-    def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except (OSError, AttributeError):
-            pass
-        try:
-            out.append(_tiers(s))
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            out.append(exc)
-
-    t = threading.Thread(target=run, name="contextkit-connector-open-store")
-    t.start()
-    t.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="contextkit-connector-open-store", initializer=lower_priority,
+                            initargs=(nice,)) as pool:
+        return pool.submit(_tiers, s).result()
 
 
 def _tiers(s: ConnectorSettings):

@@ -130,7 +130,9 @@ class PagedKV:
 
     # -- the interface ----------------------------------------------------------------------------------
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the tokens in ``slots`` (n,), each ``(kv_heads, n, head_size)``, a copy."""
+        """K and V of the tokens in ``slots`` (n,), each ``(kv_heads, n, head_size)``, a copy. The reference
+        reader, by element gather: saves go through ``stage`` / ``unstage``, which ``_check`` and the tests
+        compare with it."""
         bs, d = self.block_size, self.head_size
         blocks, offs = slots // bs, slots % bs
         if self.kind == "nhd":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -83,8 +84,7 @@ class SaveQueue:
     Args:
         store: a ``TieredStore`` (its ``put_many`` may block: it runs on this queue's thread).
         budget_bytes: staged and unwritten bytes at most (``ConnectorSettings.save_queue_bytes``).
-        counters: the connector's counters (``saved_entries``, ``saved_tokens``, ``dropped_saves``,
-            ``deferred_writes``).
+        counters: the connector's counters (``saved_entries``, ``saved_tokens``, ``dropped_saves``).
         layout: the entries' layout string (``KVGeometry.layout()``).
         pacer: when writes may happen; None: at once (tests of the queue alone).
     """
@@ -114,7 +114,7 @@ class SaveQueue:
     def submit(self, ops: Sequence[SaveOp], *, caches: Sequence[tuple[str, torch.Tensor]], paged: PagedKV) -> None:
         """Stage the step's saves that fit the budget (evicting unwritten ones worth less); drop the rest.
         Checked before anything is copied: a stuck store costs the step no copy."""
-        block_bytes = len(caches) * paged.dtype.itemsize * _numel(paged.block_shape)
+        block_bytes = _block_bytes(len(caches), paged)
         rows_of: dict[int, int] = {}  # physical block -> its row in this step's staging
         admitted, rows = [], []
         with self._lock:
@@ -142,8 +142,7 @@ class SaveQueue:
     def prewarm(self, *, layers: int, paged: PagedKV, blocks: int = 64) -> None:
         """Touch one staging buffer now (at most an eighth of the budget), so that the first steps that
         save do not pay the page faults of fresh memory (~4 µs per 4 KiB here)."""
-        block_bytes = layers * paged.dtype.itemsize * _numel(paged.block_shape)
-        blocks = min(blocks, max(1, self.budget_bytes // 8 // block_bytes))
+        blocks = min(blocks, max(1, self.budget_bytes // 8 // _block_bytes(layers, paged)))
         with self._lock:
             buf = self._buffer(blocks, layers, paged)
             buf.zero_()
@@ -165,6 +164,7 @@ class SaveQueue:
                 self._intake.remove(step)
                 self._pending -= step.nbytes
                 self._free.append(step.buffer)
+                self._trim_free(step.buffer.nbytes)
                 self.counters.add("dropped_saves", len(step.ops))
         return True
 
@@ -178,10 +178,7 @@ class SaveQueue:
 
     # -- the save thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        try:  # saves yield the cores to the forward: on Linux a thread's nice value is its own
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)
-        except (OSError, AttributeError):  # not Linux, or not allowed: saves run at normal priority
-            pass
+        lower_priority(SAVE_NICE)  # saves yield the cores to the forward
         while True:
             with self._lock:
                 while not (self._intake or self._ready or self._closing):
@@ -222,12 +219,6 @@ class SaveQueue:
             self._trim_free(staged.buffer.nbytes)
             self._lock.notify_all()
 
-    def wait_unstaged(self, timeout_s: float) -> bool:
-        """Block until every staged save is an entry (or dropped); False after ``timeout_s``. For tests and
-        benchmarks: eviction weighs entries, so a test of it waits for this."""
-        with self._lock:
-            return self._lock.wait_for(lambda: not self._intake, timeout_s)
-
     def _trim_free(self, one: int) -> None:
         """Keep at most a quarter of the budget in free staging buffers (lock held)."""
         while len(self._free) > 1 and sum(b.nbytes for b in self._free) > max(one, self.budget_bytes // 4):
@@ -260,8 +251,15 @@ class SaveQueue:
         self._thread.join(timeout=timeout_s)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def lower_priority(nice: int) -> None:
+    """Give the calling thread ``nice`` (on Linux a thread's nice value is its own, and threads it starts
+    inherit it); elsewhere, or where it is not allowed, the thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):
+        pass
+
+
+def _block_bytes(layers: int, paged: PagedKV) -> int:
+    """Bytes of one staged block of every layer."""
+    return layers * paged.dtype.itemsize * math.prod(paged.block_shape)
