@@ -495,15 +495,21 @@ def test_documents_reuse_spans_through_the_proxy_and_stay_request_only(pic_proxy
     _wait(lambda: compiler.pending == 0)  # compiles run after the answer, off the request's path
     assert compiler.compiled >= ext["reuse"]["spans"] and compiler.failed == 0
     # the compiled spans reach the store when vLLM's save thread gets a turn (after it idles 50 ms): the
-    # event is the path loading them, so ask until it does (a miss reports the spans, compiled again)
+    # event is the path loading them from the store, so ask until it does, each time with the upstreams'
+    # prefix caches emptied (an ask leaves its blocks there, and a local hit is not a load) and no compile
+    # running (an ask that misses reports its spans, which are compiled again)
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
+
     seen = []
 
     def loads_the_spans() -> bool:
+        _wait(lambda: compiler.pending == 0)
+        assert all(reset_prefix_cache(u.url) for u in pic_proxy.app.upstreams.pool.upstreams)
         seen.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["contextkit"])
         loaded = seen[-1]["reuse"]["loaded_tokens"]
         return loaded is not None and loaded >= 0.8 * seen[-1]["prompt_tokens"]  # all spans, not the question
 
-    _wait(loads_the_spans, timeout_s=120, show=lambda: seen[-1])
+    _wait(loads_the_spans, timeout_s=120, show=lambda: [(s["upstream"], s["reuse"]) for s in seen])
     _wait(lambda: compiler.pending == 0)  # the asks that missed compiled their spans again: let them finish
     prompt = seen[-1]["prompt_tokens"]
     # the same documents without the opt-in: vLLM's prefix cache holds the pic request's blocks under their
