@@ -225,7 +225,7 @@ class LMCacheTier(RemoteHealth):
         (LMCache's remote backend sends the gets of a batch concurrently)."""
         t0 = time.perf_counter()
         if self.cfg.kind != "remote":
-            return [self.get(k) for k in keys]
+            return self._get_local(keys, t0)
         if not keys or deadline.expired or not self._available():
             self._stats.add("misses", len(keys))
             return [None] * len(keys)
@@ -246,6 +246,21 @@ class LMCacheTier(RemoteHealth):
         if all(o is None for o in objs) and not self._probe():
             self._failed()
         return [self._entry(k, o, t0) for k, o in zip(keys, objs)]
+
+    def _get_local(self, keys: Sequence[StoreKey], t0: float) -> list[Entry | None]:
+        """A local tier's entries in one LMCache call: its disk backend then reads the files concurrently
+        (one call per key cost ~0.4 ms of Python each: 13 ms of a 1k-token restart load)."""
+        want = [k for k in keys if self.cfg.kind != "disk" or self.contains(k)]
+        objs: list = []
+        if want:
+            try:
+                objs = list(self._call(self._sm.batched_get, [self._key(k) for k in want], self.backend))
+            except Exception:  # noqa: BLE001 - a failing tier answers misses; counted
+                self._failed()
+        objs += [None] * (len(want) - len(objs))
+        got = {k: self._entry(k, o, t0) for k, o in zip(want, objs)}
+        self._stats.add("misses", len(keys) - len(want))
+        return [got.get(k) for k in keys]
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
