@@ -258,9 +258,19 @@ class LMCacheTier(RemoteHealth):
             except Exception:  # noqa: BLE001 - a failing tier answers misses; counted
                 self._failed()
         objs += [None] * (len(want) - len(objs))
-        got = {k: self._entry(k, o, t0) for k, o in zip(want, objs)}
+        got = dict(zip(want, self._entries(want, objs, t0)))
         self._stats.add("misses", len(keys) - len(want))
         return [got.get(k) for k in keys]
+
+    def _entries(self, keys: Sequence[StoreKey], objs: list, t0: float) -> list[Entry | None]:
+        """``_entry`` of each, half of them on the tier's pool: checking an entry's MAC (BLAKE3) releases the
+        GIL, and a load waits for all of them (measured: ~7 of the 13 ms a 1k-token load spent fetching)."""
+        half = len(keys) // 2
+        if half < 2:
+            return [self._entry(k, o, t0) for k, o in zip(keys, objs)]
+        first = self._pool.submit(lambda: [self._entry(k, o, t0) for k, o in zip(keys[:half], objs[:half])])
+        rest = [self._entry(k, o, t0) for k, o in zip(keys[half:], objs[half:])]
+        return first.result() + rest
 
     def put(self, key: StoreKey, entry: Entry) -> None:
         """Submit the entry (LMCache writes disk and remote asynchronously: write-through, not waited on)."""
