@@ -53,13 +53,16 @@ class BlockIndex:
     Args:
         block_size: the server's block size (an event of another size is refused).
         max_blocks: blocks remembered at most; past it the oldest stored is forgotten.
+        fleet: the fleet's index, told each key this server comes to hold or stops holding, as ``server``.
     """
 
-    def __init__(self, *, block_size: int, max_blocks: int = 100_000):
+    def __init__(self, *, block_size: int, max_blocks: int = 100_000, fleet: FleetIndex | None = None,
+                 server: int = 0):
         if block_size <= 0 or max_blocks <= 0:
             raise ValueError("block_size and max_blocks must be positive")
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.fleet, self.server = fleet, server
         self._keys: OrderedDict[Hashable, bytes] = OrderedDict()  # vLLM's hash -> our key, oldest first
         self._held: Counter[bytes] = Counter()  # our key -> how many of vLLM's hashes name it
         self.counts = Counter()  # stored, removed, cleared, unknown_parent, refused, forgotten
@@ -101,6 +104,8 @@ class BlockIndex:
             self._drop(old)
         self._keys[h] = key
         self._held[key] += 1
+        if self.fleet is not None and self._held[key] == 1:
+            self.fleet.add(key, self.server)
         while len(self._keys) > self.max_blocks:
             _, forgotten = self._keys.popitem(last=False)
             self._drop(forgotten)
@@ -110,6 +115,8 @@ class BlockIndex:
         self._held[key] -= 1
         if self._held[key] <= 0:
             del self._held[key]
+            if self.fleet is not None:
+                self.fleet.drop(key, self.server)
 
     def removed(self, hashes: Sequence[Hashable]) -> None:
         """A ``BlockRemoved`` event (a hash the index never saw is ignored)."""
@@ -121,6 +128,9 @@ class BlockIndex:
 
     def cleared(self) -> None:
         """An ``AllBlocksCleared`` event, or a gap in the events that cannot be replayed: start over."""
+        if self.fleet is not None:
+            for key in self._held:
+                self.fleet.drop(key, self.server)
         self._keys.clear()
         self._held.clear()
         self.counts["cleared"] += 1
@@ -134,3 +144,46 @@ class BlockIndex:
                 break
             n += 1
         return n
+
+
+class FleetIndex:
+    """Every server's blocks in one map, key -> a bitmask of the servers that hold it (each server's
+    ``BlockIndex`` keeps it current). Scoring a prompt against the whole fleet is one pass over its keys,
+    ANDing masks, instead of one walk per server: the cost follows the prompt's length, not the fleet's
+    size (``bench fleet``'s simulation measures it at 16-256 servers)."""
+
+    def __init__(self) -> None:
+        self._mask: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._mask)
+
+    def add(self, key: bytes, server: int) -> None:
+        self._mask[key] = self._mask.get(key, 0) | (1 << server)
+
+    def drop(self, key: bytes, server: int) -> None:
+        mask = self._mask.get(key, 0) & ~(1 << server)
+        if mask:
+            self._mask[key] = mask
+        else:
+            self._mask.pop(key, None)
+
+    def held_prefixes(self, keys: Sequence[bytes]) -> dict[int, int]:
+        """For each server holding at least the first of ``keys``: how many of them, from the first on."""
+        out: dict[int, int] = {}
+        alive = -1  # every server, until the first key says which
+        for depth, key in enumerate(keys):
+            now = alive & self._mask.get(key, 0)
+            gone = alive & ~now if depth else 0
+            while gone:
+                low = gone & -gone
+                out[low.bit_length() - 1] = depth
+                gone ^= low
+            alive = now
+            if not alive:
+                return out
+        while alive > 0:
+            low = alive & -alive
+            out[low.bit_length() - 1] = len(keys)
+            alive ^= low
+        return out

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextkit.integrations.proxy.kv_index import BlockIndex, prompt_keys
+from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, prompt_keys
 
 BS = 4
 
@@ -94,3 +94,29 @@ def test_the_oldest_block_is_forgotten_first():
     _store(index, b, "t", tag="b")
     assert index.held_prefix(prompt_keys(b, block_size=BS, salt="t")) == 1
     assert index.counts["forgotten"] == 2 and len(index) == 3
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4), st.lists(st.integers(0, 1), min_size=BS, max_size=4 * BS),
+                          st.sampled_from(["a", "b"])), min_size=1, max_size=30),
+       st.data())
+def test_the_fleet_index_scores_every_server_as_its_own_index_does(events, data):
+    """Three servers' events (stores, removals, clears, forgetting past a small bound): one pass over the
+    fleet's map gives each server the score its own index gives. The prompt continues one of the stored
+    prompts, so that servers hold different lengths of it."""
+    fleet = FleetIndex()
+    servers = [BlockIndex(block_size=BS, max_blocks=5, fleet=fleet, server=s) for s in range(3)]
+    for i, (server, op, ids, sal) in enumerate(events):
+        index = servers[server]
+        if op == 3:
+            index.removed([f"e{i - 1}-0".encode(), f"e{i - 2}-1".encode()])
+        elif op == 4:
+            index.cleared()
+        else:
+            _store(index, ids, sal, tag=f"e{i}")
+    _, _, base, salt = data.draw(st.sampled_from(events))
+    prompt = base[: data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, 1), max_size=2 * BS))
+    keys = prompt_keys(prompt, block_size=BS, salt=salt)
+    want = {s: idx.held_prefix(keys) for s, idx in enumerate(servers) if idx.held_prefix(keys)}
+    assert fleet.held_prefixes(keys) == want
+    assert len(fleet) == len(set().union(*(idx._held for idx in servers)))
