@@ -45,6 +45,7 @@ BENCHES = {
     "trace": "contextkit.bench.trace",
     "skillcache": "contextkit.bench.skillcache",
     "installs": "contextkit.bench.installs",
+    "fleet": "contextkit.bench.fleet",
     "calibrate": "contextkit.bench.calibrate",  # also `contextkit calibrate`: writes the model's profile
 }
 
