@@ -310,11 +310,33 @@ class LMCacheTier(RemoteHealth):
         self._stats.add("put_bytes", size)
         self._stats.time("put", t0)
 
+    def prewarm(self, nbytes: int, chunk: int = 8 << 20) -> int:
+        """Touch up to ``nbytes`` of LMCache's pool now (allocate, write, free), so that the first writes and
+        reads do not pay a page fault per 4 KiB of fresh pool; returns the bytes touched."""
+        torch, objs, done = self._torch, [], 0
+        try:
+            while done < nbytes:
+                # without busy_loop LMCache answers None when the pool is full (with it, it waits for room)
+                obj = self._sm.allocate(torch.Size([chunk]), torch.uint8, eviction=False, busy_loop=False)
+                if obj is None:
+                    break
+                obj.tensor.reshape(-1).numpy().fill(0)
+                objs.append(obj)
+                done += chunk
+        except Exception:  # noqa: BLE001 - a pool that cannot allocate is warmed as far as it went
+            pass
+        for obj in objs:
+            obj.ref_count_down()
+        return done
+
     def _copy_in(self, chunks):
         """The encoded chunks copied into a buffer of LMCache's pool; None when the pool has no room."""
         torch = self._torch
+        size = sum(len(c) for c in chunks)
+        if size > self.cfg.pool_bytes:  # LMCache would wait for room forever (its allocate busy-loops)
+            return None
         try:
-            obj = self._sm.allocate(torch.Size([sum(len(c) for c in chunks)]), torch.uint8)
+            obj = self._sm.allocate(torch.Size([size]), torch.uint8)
         except Exception:  # noqa: BLE001
             obj = None
         if obj is None:

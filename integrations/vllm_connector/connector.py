@@ -106,6 +106,11 @@ class ContextKitConnector(KVConnectorBase_V1):
         else:
             self.connector_worker = ConnectorWorker(settings=self.settings, geometry=self.geometry,
                                                     store=self.store, rope=self.rope)
+            # the worker's saves and loads go through LMCache's pools: touched now (~0.1 s per GB), the
+            # first prompts' saves do not pay a page fault per 4 KiB of them (measured: ~30% more save CPU
+            # for the first ~10 prompts of a fresh server), nor a restart's first loads
+            for tier in self.store.tiers:
+                tier.prewarm(tier.cfg.pool_bytes)
         log.info("contextkit connector (%s) on vLLM %s (supported: %s), %s: %s", role.name, vllm.__version__,
                  SUPPORTED_VLLM, self.geometry.layout(), ", ".join(t.name for t in self.store.tiers))
 
