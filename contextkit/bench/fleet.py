@@ -6,7 +6,7 @@ under ``--set tenants=4`` tenants' salts. Each simulated server is fed ``BlockSt
 trace's prompts in an order of its own until its index holds ``--set blocks=10000`` blocks (the bound
 forgets the oldest, as a server evicts), all into one ``FleetIndex``. Then every request is scored
 against the whole fleet: its keys (``prompt_keys``) and one pass over the fleet map
-(``FleetIndex.held_prefixes``), beside the per-server walk it replaces.
+(``FleetIndex.depth_groups``: the servers grouped by how much of the prompt they hold), beside the per-server walk it replaces.
 
 Rows, one per fleet size: the blocks held (all servers), distinct keys, the index's memory (tracemalloc:
 the per-server indexes and the fleet map), memory per 100k blocks, ingest time per stored block, and the
@@ -73,15 +73,15 @@ def _score(fleet, servers, prompts, block: int) -> tuple[list[float], list[float
         t0 = time.perf_counter()
         keys = prompt_keys(ids, block_size=block, salt=salt)
         tk = time.perf_counter()
-        scores = fleet.held_prefixes(keys)
-        max(scores.items(), key=lambda kv: kv[1], default=None)
+        groups = fleet.depth_groups(keys)  # deepest first: the router takes the least loaded of a group
         t1 = time.perf_counter()
         per = [s.held_prefix(keys) for s in servers]
         max(range(len(per)), key=per.__getitem__)
         t2 = time.perf_counter()
         one_pass.append(1e6 * (t1 - t0))
         walk.append(1e6 * ((tk - t0) + (t2 - t1)))
-        assert {s: n for s, n in enumerate(per) if n} == scores, "the fleet map and the servers disagree"
+        assert {s: n for s, n in enumerate(per) if n} == fleet.held_prefixes(keys), "the map and the servers disagree"
+        assert not groups or groups[0][0] == max(per)
     return one_pass, walk
 
 

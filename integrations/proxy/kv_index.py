@@ -38,11 +38,19 @@ def block_key(parent: bytes | None, tokens: Sequence[int], extra: Sequence | Non
 
 
 def prompt_keys(ids: Sequence[int], *, block_size: int, salt: str | None) -> list[bytes]:
-    """The keys of a prompt's full blocks as a server that cached it under ``salt`` names them."""
+    """The keys of a prompt's full blocks as a server that cached it under ``salt`` names them (what
+    ``block_key`` gives block by block, with the prompt's bytes made once)."""
+    n = len(ids) // block_size
+    data = memoryview(array.array("q", ids[: n * block_size]).tobytes())
+    step = 8 * block_size
     keys: list[bytes] = []
-    parent = None
-    for i in range(len(ids) // block_size):
-        parent = block_key(parent, ids[i * block_size : (i + 1) * block_size], (salt,) if i == 0 and salt else None)
+    parent = _ROOT
+    for i in range(n):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(data[i * step : (i + 1) * step])
+        if i == 0 and salt:
+            h.update(json.dumps([salt], separators=(",", ":")).encode())
+        parent = h.digest()
         keys.append(parent)
     return keys
 
@@ -168,22 +176,30 @@ class FleetIndex:
         else:
             self._mask.pop(key, None)
 
-    def held_prefixes(self, keys: Sequence[bytes]) -> dict[int, int]:
-        """For each server holding at least the first of ``keys``: how many of them, from the first on."""
-        out: dict[int, int] = {}
+    def depth_groups(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """The servers holding at least the first of ``keys``, grouped by how many they hold from the first
+        on: ``(blocks, bitmask of servers)``, deepest first. One AND per key and one entry per distinct
+        depth, whatever the fleet's size."""
+        groups: list[tuple[int, int]] = []
         alive = -1  # every server, until the first key says which
         for depth, key in enumerate(keys):
             now = alive & self._mask.get(key, 0)
-            gone = alive & ~now if depth else 0
-            while gone:
-                low = gone & -gone
-                out[low.bit_length() - 1] = depth
-                gone ^= low
+            if depth and alive & ~now:
+                groups.append((depth, alive & ~now))
             alive = now
             if not alive:
-                return out
-        while alive > 0:
-            low = alive & -alive
-            out[low.bit_length() - 1] = len(keys)
-            alive ^= low
+                break
+        if alive > 0 and keys:
+            groups.append((len(keys), alive))
+        groups.reverse()
+        return groups
+
+    def held_prefixes(self, keys: Sequence[bytes]) -> dict[int, int]:
+        """For each server holding at least the first of ``keys``: how many of them, from the first on."""
+        out: dict[int, int] = {}
+        for depth, mask in self.depth_groups(keys):
+            while mask:
+                low = mask & -mask
+                out[low.bit_length() - 1] = depth
+                mask ^= low
         return out

@@ -119,4 +119,7 @@ def test_the_fleet_index_scores_every_server_as_its_own_index_does(events, data)
     keys = prompt_keys(prompt, block_size=BS, salt=salt)
     want = {s: idx.held_prefix(keys) for s, idx in enumerate(servers) if idx.held_prefix(keys)}
     assert fleet.held_prefixes(keys) == want
+    groups = fleet.depth_groups(keys)  # what routing reads: deepest first, each server in one group
+    assert [d for d, _ in groups] == sorted({*want.values()}, reverse=True)
+    assert all(want[s] == d for d, m in groups for s in range(3) if m >> s & 1)
     assert len(fleet) == len(set().union(*(idx._held for idx in servers)))
