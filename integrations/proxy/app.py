@@ -45,6 +45,7 @@ from contextkit.integrations.edge.answers import error_body, error_headers
 from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
 from contextkit.integrations.proxy.documents import Planning, documents
 from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
+from contextkit.integrations.proxy.routing import Routed, Router, render_keys, session_key
 from contextkit.integrations.proxy.routes import (
     check_json,
     not_found_message,
@@ -92,25 +93,39 @@ class ProxyMetrics(ServerMetrics):
 
 
 class PoolCollector:
-    """The upstream pool's state, read at scrape time: routing decisions, health, requests in flight."""
+    """The upstream pool's state, read at scrape time: routing decisions, health, requests in flight, and
+    each upstream's KV events (whether its index is fresh, the blocks it holds, what its feed counted)."""
 
-    def __init__(self, pool: UpstreamPool):
-        self.pool = pool
+    def __init__(self, pool: UpstreamPool, router: Router):
+        self.pool, self.router = pool, router
 
     def describe(self):
         return []
 
     def collect(self):
-        routing = CounterMetricFamily("contextkit_proxy_routing_decisions", "documents requests routed, by rule",
-                                      labels=["rule"])
-        for rule, n in self.pool.routing.items():
+        routing = CounterMetricFamily("contextkit_proxy_routing_decisions", "generation requests placed, by rule "
+                                      "(events, model, affinity, least_loaded, single; overloaded: a cache passed "
+                                      "over for load)", labels=["rule"])
+        for rule, n in self.router.decisions.items():
             routing.add_metric([rule], n)
         healthy = GaugeMetricFamily("contextkit_proxy_upstream_healthy", "1 if in rotation", labels=["upstream"])
         inflight = GaugeMetricFamily("contextkit_proxy_upstream_inflight", "requests in flight", labels=["upstream"])
-        for u in self.pool.upstreams:
+        fresh = GaugeMetricFamily("contextkit_proxy_upstream_events_fresh", "1: routed by its KV events; 0: it "
+                                  "publishes none, or they went stale (routed by the fallback)", labels=["upstream"])
+        blocks = GaugeMetricFamily("contextkit_proxy_upstream_indexed_blocks", "blocks its KV events say it holds",
+                                   labels=["upstream"])
+        events = CounterMetricFamily("contextkit_proxy_kv_events", "its KV event feed: batches, gaps, replays, "
+                                     "restarts, malformed, blocks stored/removed/refused...", labels=["upstream", "kind"])
+        for i, u in enumerate(self.pool.upstreams):
             healthy.add_metric([u.url], int(u.healthy))
             inflight.add_metric([u.url], u.inflight)
-        yield from (routing, healthy, inflight)
+            fresh.add_metric([u.url], int(self.router.fresh(i)))
+            view = self.router.views[i]
+            if view is not None:
+                blocks.add_metric([u.url], len(view.index))
+                for kind, n in (view.feed.counts + view.index.counts).items():
+                    events.add_metric([u.url, kind], n)
+        yield from (routing, healthy, inflight, fresh, blocks, events)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -129,14 +144,15 @@ class ProxyApp:
         self.settings = settings
         self.metrics = ProxyMetrics()
         self.upstreams = Upstreams(settings, self.metrics)
-        self.metrics.registry.register(PoolCollector(self.upstreams.pool))
+        self.metrics.registry.register(PoolCollector(self.upstreams.pool, self.upstreams.router))
         self.tenancy = tenancy_of(settings)
         self.limiter = RateLimiter(RateLimit(settings.rate_per_s, settings.rate_burst))
         self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings,
                                      tenancy=self.tenancy)
         self._planner: Planner | None = None
+        self._no_tokenizer = False
+        self._tasks: list[asyncio.Task] = []
         self.planning = Planning()  # tokenizing documents is CPU work: off the loop, a few at once
-        self._watcher: asyncio.Task | None = None
 
     def planner(self) -> Planner:
         """The planner on the upstream model's tokenizer (loaded on the first documents request)."""
@@ -185,7 +201,7 @@ class ProxyApp:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})
             return await send({"type": "http.response.body", "body": body})
-        route = route_of(method, path)
+        route, routed = route_of(method, path), None
         if route is None:
             return await send_json(send, t, 404, error_body(404, not_found_message(method, path)))
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
@@ -214,8 +230,34 @@ class ProxyApp:
                 if self.settings.kv_connector == "cacheblend":
                     await self.planning.run(self.refuse_blend, parsed)
                 salt_body(route, parsed, lambda own: self.tenancy.cache_salt(tenant, own))
+                routed = await self.place(path, parsed)
             body = json.dumps(parsed).encode()  # what was checked is what is sent
-        await self.upstreams.passthrough(scope, receive, send, route, body, t)
+        await self.upstreams.passthrough(scope, receive, send, route, body, t, routed)
+
+    async def place(self, path: str, body: dict) -> Routed | None:
+        """Choose the upstream for a salted generation request (``routing.Router``); None: one upstream."""
+        pool = self.upstreams.pool.healthy()
+        if len(pool) < 2:
+            return None
+        router, salt = self.upstreams.router, body.get("cache_salt")
+        keys: tuple[bytes, ...] = ()
+        if router.publishing and await self.route_tokenizer() is not None:
+            keys = await self.planning.run(render_keys, path, body, self._planner.tokenizer,
+                                           block_size=self.settings.block_size, salt=salt)
+        events = router.held(keys)
+        choice = router.pick(pool, events=events, session=session_key(body, salt))
+        return Routed(choice, keys, events.get(router.upstreams.index(choice.upstream), 0))
+
+    async def route_tokenizer(self):
+        """The upstream model's tokenizer for scoring prompts, loaded once off the loop; None (logged once)
+        when the proxy cannot load it: requests are then placed without a cache score."""
+        if self._planner is None and not self._no_tokenizer:
+            try:
+                await self.planning.run(self.planner)
+            except (ContextKitError, OSError) as exc:
+                self._no_tokenizer = True
+                log.warning({"event": "routing without prompt scores", "why": str(exc)})
+        return None if self._planner is None else self._planner.tokenizer
 
     def metrics_access(self, scope) -> None:
         """``/metrics`` names the upstreams and every tenant's traffic: with ``metrics_key`` it takes that
@@ -246,11 +288,13 @@ class ProxyApp:
             if message["type"] == "lifespan.startup":
                 await self.upstreams.open()
                 pool, interval = self.upstreams.pool, self.settings.health_interval_s
-                self._watcher = asyncio.create_task(pool.watch(self.upstreams.session, interval))
+                self._tasks.append(asyncio.create_task(pool.watch(self.upstreams.session, interval)))
+                if self.upstreams.router.publishing:
+                    self._tasks.append(asyncio.create_task(self.upstreams.router.run()))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self._watcher is not None:
-                    self._watcher.cancel()
+                for task in self._tasks:
+                    task.cancel()
                 self.planning.close()
                 await self.upstreams.close()
                 await send({"type": "lifespan.shutdown.complete"})

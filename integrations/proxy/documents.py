@@ -23,7 +23,7 @@ import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from contextkit.core.errors import ConfigError
+from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
@@ -33,6 +33,8 @@ from contextkit.integrations.edge.answers import chunk, completion, sse
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
+from contextkit.integrations.proxy.kv_index import prompt_keys
+from contextkit.integrations.proxy.routing import Choice, Routed
 from contextkit.integrations.proxy.span_compiler import check_options, pic_params, pic_salt, segments_of, spans_of
 from contextkit.integrations.proxy.upstreams import Upstream
 
@@ -111,14 +113,12 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                                reuse_default=False)
     if request.reuse is not None:
         check_options(connector, chat.contextkit.reuse.model_dump(exclude_none=True))
-    docs = await off_loop(planner.docs, request)  # tokenizes every document: never on the loop
-    u = ups.pool.route(docs, request.tenant)
-    if u is None:
-        ups.least_loaded()  # raises the 503
-    limit = await ups.model_len(u)
-    plan = await off_loop(planner.plan, request, u.weaver, context_limit=limit)
+    await off_loop(planner.docs, request)  # tokenizes every document (cached for the plans): never on the loop
+    salt = tenancy.cache_salt(request.tenant)
+    sent_salt = pic_salt(salt, request.reuse) if request.reuse is not None and connector == "contextkit" else salt
+    routed, plan = await place(ups, planner, request, sent_salt, off_loop)
+    u = routed.choice.upstream
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
-    salt = tenancy.cache_salt(plan.tenant)
     out = completion_body(body, chat, plan, salt)
     reuse = None
     if request.reuse is not None and connector == "contextkit":  # span reuse: its own salt, its spans named
@@ -142,6 +142,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": text.encode()})
             return
+        ups.router.sent(u, routed.keys, routed.indexed)
         if reuse is None:
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
         elif connector == "contextkit":
@@ -161,6 +162,54 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     if reuse is not None and connector == "contextkit":
         reuse = {**reuse, **connector_report(ups, u, chat.model, salt, plan, obj.get("kv_transfer_params"))}
     await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)))
+
+
+async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop) -> tuple[Routed, RequestPlan]:
+    """Choose the upstream for a documents request and its plan there. Each upstream's Weaver may order the
+    documents differently, so the request is planned once per distinct order and each plan is scored
+    against the upstream it was made for: by that upstream's KV events (the blocks it holds under the
+    request's ``salt``), else by its Weaver's estimate."""
+    pool = ups.pool.healthy()
+    if not pool:
+        ups.least_loaded()  # raises the 503
+    limits = await asyncio.gather(*(ups.model_len(u) for u in pool))
+    if len(pool) == 1:
+        plan = await off_loop(planner.plan, request, pool[0].weaver, context_limit=limits[0])
+        return Routed(Choice(pool[0], "single")), plan
+    plans, keys = await off_loop(plan_each, planner, request, pool, limits, salt=salt)
+    router = ups.router
+    events, model = {}, {}
+    for u, plan, k in zip(pool, plans, keys):
+        if plan is not None:
+            i = router.upstreams.index(u)
+            events[i] = router.held(k).get(i, 0)
+            model[i] = (plan.expected_cached_tokens or 0) // ups.settings.block_size
+    choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model)
+    at = pool.index(choice.upstream)
+    return Routed(choice, keys[at], events.get(router.upstreams.index(choice.upstream), 0)), plans[at]
+
+
+def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *,
+              salt: str) -> tuple[list[RequestPlan | None], list[tuple[bytes, ...]]]:
+    """The request planned with each upstream's Weaver and its prompt's block keys (one plan per distinct
+    order and limit). An upstream whose context the prompt does not fit gets None; none fitting raises."""
+    made: dict = {}
+    plans, keys = [], []
+    error = None
+    docs = planner.docs(request)
+    for u, limit in zip(pool, limits):
+        order = u.weaver.order(docs, request.tenant, record=False).order
+        if (order, limit) not in made:
+            try:
+                plan = planner.plan(request, u.weaver, context_limit=limit)
+                made[order, limit] = plan, tuple(prompt_keys(plan.ids, block_size=planner.block_size, salt=salt))
+            except PromptTooLongError as exc:
+                made[order, limit], error = (None, ()), exc
+        plans.append(made[order, limit][0])
+        keys.append(made[order, limit][1])
+    if all(p is None for p in plans):
+        raise error
+    return plans, keys
 
 
 def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,

@@ -19,6 +19,7 @@ import yarl
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
 from contextkit.integrations.proxy.routes import Route, scrub_answer
+from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.proxy.span_compiler import SpanCompiler
 from contextkit.integrations.proxy.upstreams import Upstream, UpstreamPool
@@ -63,6 +64,7 @@ class Upstreams:
     def __init__(self, settings: ProxySettings, metrics):
         self.settings = settings
         self.pool = UpstreamPool(settings.upstreams, settings.block_size)
+        self.router = Router(self.pool.upstreams, settings)
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
         self._model_len: dict[str, int | None] = {}
@@ -156,11 +158,12 @@ class Upstreams:
 
     # -- pass-through: raw ASGI, no framework work per chunk ------------------------------------------
 
-    async def passthrough(self, scope, receive, send, route: Route, body: bytes | None, t: dict) -> None:
-        """Forward a request on ``route`` to the least-loaded upstream, and its answer as it comes: the
-        route's own path (no query string), the body as the proxy serialized it, the client's headers
-        but for hop-by-hop ones, its key and its Content-Type."""
-        u = self.least_loaded()
+    async def passthrough(self, scope, receive, send, route: Route, body: bytes | None, t: dict,
+                          routed: Routed | None = None) -> None:
+        """Forward a request on ``route`` to the upstream ``routed`` chose (None: the least loaded), and its
+        answer as it comes: the route's own path (no query string), the body as the proxy serialized it,
+        the client's headers but for hop-by-hop ones, its key and its Content-Type."""
+        u = routed.choice.upstream if routed is not None else self.least_loaded()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
         if body is not None:
             headers["content-type"] = "application/json"
@@ -168,6 +171,10 @@ class Upstreams:
             resp = await self.start(u, route.method, route.path, headers, body, t)
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]
             out.append((b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)))
+            if routed is not None:
+                out += [(b"x-contextkit-upstream", u.name.encode()), (b"x-contextkit-route", routed.choice.rule.encode())]
+                if resp.status == 200:
+                    self.router.sent(u, routed.keys, routed.indexed)
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return await self.relay(u, resp, receive, send, out, t)
             try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
 
 
@@ -46,6 +46,41 @@ class ProxySettings(BaseSettings):
     kv_connector: Literal["none", "contextkit", "cacheblend"] = "none"
     cacheblend_separator: str = " # # "  # LMCache's blend_special_str on the upstreams (CacheBlendConfig)
     span_compiles: int = Field(2, ge=1)  # span compiles running at once (each a prefill on an upstream)
+    # routing by what each upstream's prefix cache holds (integrations/proxy/routing.py). One entry per
+    # --upstream, in the same order: where that vLLM publishes its KV events (--kv-events-config), as
+    # "tcp://HOST:PUB_PORT" or "tcp://HOST:PUB_PORT,tcp://HOST:REPLAY_PORT" (ipc:// too); "" or "none": it
+    # does not publish (routed by the proxy's own model of its cache). Empty list: no upstream publishes.
+    upstream_events: list[str] = []
+    events_stale_s: float = Field(10.0, gt=0)  # sent new blocks, no event for this long: the index is stale
+    index_blocks: int = Field(200_000, ge=1)  # blocks remembered per upstream (~240 bytes each); oldest go first
+    # an upstream more than this many requests in flight above the least loaded one no longer attracts
+    # requests by what it caches (they go to the least loaded): a hot prefix must not pile up on one server
+    route_slack: int = Field(4, ge=0)
+    session_affinity: bool = True  # a conversation without cache hits anywhere stays on one upstream (by its key)
+
+    @model_validator(mode="after")
+    def _events_match_upstreams(self) -> ProxySettings:
+        if self.upstream_events and len(self.upstream_events) != len(self.upstreams):
+            raise ValueError(f"upstream_events has {len(self.upstream_events)} entries for {len(self.upstreams)} "
+                             "upstreams; give one per --upstream, in the same order (\"none\" for one that does "
+                             "not publish)")
+        for entry in self.upstream_events:
+            for endpoint in filter(None, event_endpoints(entry) or ()):
+                if not endpoint.startswith(("tcp://", "ipc://")):
+                    raise ValueError(f"upstream_events entry {entry!r}: an endpoint must start with tcp:// or "
+                                     "ipc:// (vLLM's --kv-events-config endpoint, as this host reaches it)")
+        return self
+
+
+def event_endpoints(entry: str) -> tuple[str, str | None] | None:
+    """An ``upstream_events`` entry as (publisher, replay or None); None: the upstream does not publish."""
+    parts = [p.strip() for p in entry.split(",") if p.strip()]
+    if not parts or parts == ["none"]:
+        return None
+    if len(parts) > 2:
+        raise ValueError(f"upstream_events entry {entry!r}: give a publisher endpoint and at most one replay "
+                         "endpoint, separated by a comma")
+    return parts[0], (parts[1] if len(parts) == 2 else None)
 
 
 def load_settings(file: Path | None = None, **flags) -> ProxySettings:

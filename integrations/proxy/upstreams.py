@@ -1,10 +1,9 @@
-"""The proxy's upstream pool: health, load and cache-aware routing.
+"""The proxy's upstream pool: health and load (where a request goes is ``routing.Router``'s choice).
 
 Each upstream (a vLLM server) has its own ``Weaver``: the tree of evidence sequences it has served is a
-model of what its prefix cache holds. A documents request goes to the healthy upstream whose tree
-shares the longest reusable prefix with it (ties and misses: the least loaded); any other request goes
-to the least loaded. A background task checks ``/health``: an upstream that answers it with an error or
-refuses the connection is taken out of rotation at once, one that is only slow to answer after three
+model of what its prefix cache holds, which orders documents requests for it and places them when the
+server publishes no KV events. A background task checks ``/health``: an upstream that answers it with an
+error or refuses the connection is taken out of rotation at once, one that is only slow to answer after three
 checks in a row (a CPU server busy with a long prefill answers late but serves), and each is put back when
 it answers again; three failed requests in a row take it out too, unless it is the last one in rotation.
 """
@@ -19,8 +18,6 @@ from dataclasses import dataclass
 import aiohttp
 
 from contextkit.core.errors import ConfigError
-from contextkit.core.tenant import Tenant
-from contextkit.core.types import Doc
 from contextkit.ordering.weaver import Weaver
 
 
@@ -45,7 +42,6 @@ class UpstreamPool:
             raise ConfigError(f"upstream URLs must start with http:// or https://, got {bad}")
         self.upstreams = [Upstream(u.rstrip("/"), Weaver(block_size=block_size), name=f"upstream-{i}")
                           for i, u in enumerate(urls)]
-        self.routing = {"cache_aware": 0, "least_loaded": 0}
 
     def healthy(self) -> list[Upstream]:
         return [u for u in self.upstreams if u.healthy]
@@ -64,25 +60,6 @@ class UpstreamPool:
             yield u
         finally:
             u.inflight -= 1
-
-    def route(self, docs: Sequence[Doc], tenant: Tenant) -> Upstream | None:
-        """The upstream for a documents request: the healthy one whose tree shares the longest reusable
-        prefix with it (ties and misses: the least loaded). Only peeks: nothing is recorded."""
-        pool = self.healthy()
-        if not pool:
-            return None
-        best, best_tokens = None, 0
-        if docs and len(pool) > 1:
-            for u in pool:
-                tokens = u.weaver.order(docs, tenant, record=False).reusable_tokens
-                if tokens > best_tokens or (tokens == best_tokens and best is not None and u.inflight < best.inflight):
-                    best, best_tokens = u, tokens
-        if best is None or best_tokens == 0:
-            best = self.least_loaded()
-            self.routing["least_loaded"] += 1
-        else:
-            self.routing["cache_aware"] += 1
-        return best
 
     async def check(self, client: aiohttp.ClientSession, timeout_s: float = 2.0, slow_limit: int = 3) -> None:
         """Check every upstream's ``/health``: an error answer or a refused connection takes it out of

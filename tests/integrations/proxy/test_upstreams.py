@@ -1,4 +1,4 @@
-"""Cache-aware routing over several upstreams, least-loaded fallback, health out and back in."""
+"""The upstream pool: leases, health out and back in (placement: ``test_routing.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.proxy.upstreams import UpstreamPool
-from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc
 
 
@@ -19,37 +18,7 @@ def _docs(ids):
     return [Doc(id=i, tokens=64) for i in ids]
 
 
-def test_documents_follow_the_cache_and_the_rest_goes_to_the_least_loaded():
-    pool = UpstreamPool(["http://a:1", "http://b:1"], block_size=32)
-    a, b = pool.upstreams
-
-    def serve(ids, tenant=""):
-        """Route, order with the chosen upstream's weaver, record it as accepted (what the proxy does)."""
-        u = pool.route(_docs(ids), Tenant(tenant))
-        if u is None:
-            return None, None
-        result = u.weaver.order(_docs(ids), tenant, record=False)
-        u.weaver.record([_docs(ids)[i] for i in result.order], tenant)
-        return u, result
-
-    first, _ = serve("xyz")
-    assert first is a  # nothing cached anywhere: least loaded (ties to the first)
-    a.requests += 1
-    other, _ = serve("uvw")
-    assert other is b  # a new set: the less loaded one
-    b.requests += 1
-    again, result = serve("zxy")
-    assert again is a and result.reusable_tokens == 192  # the server that holds x,y,z; order restored
-    assert [("zxy")[i] for i in result.order] == list("xyz")
-    a.inflight = 50  # busy, but the cache still wins for a set it holds
-    assert pool.route(_docs("yxz"), Tenant()) is a
-    assert pool.route(_docs("qrs"), Tenant()) is b
-    assert pool.routing["cache_aware"] == 2
-    assert pool.route(_docs("zxy"), Tenant("tenant-2")) is b  # another tenant's cache is not a's: least loaded
-    a.healthy = False
-    assert pool.route(_docs("xyz"), Tenant()) is b  # out of rotation
-    b.healthy = False
-    assert pool.route(_docs("xyz"), Tenant()) is None
+def test_an_upstream_pool_needs_http_urls():
     with pytest.raises(ConfigError):
         UpstreamPool([], 32)
     with pytest.raises(ConfigError):
