@@ -170,6 +170,9 @@ def proxy(
     rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
     kv_connector: Annotated[Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: contextkit (span reuse, contextkit.reuse = {\"policy\": \"none\"}), cacheblend (LMCache's, {\"policy\": \"kv_deviation\"}), none.")] = None,
     metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer from any address; without it /metrics answers loopback only when clients need keys. Prefer the environment variable: a flag shows in ps.")] = None,
+    upstream_events: Annotated[list[str], typer.Option(help="Where each --upstream publishes its KV events (vLLM's --kv-events-config), same order: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT], or none.")] = [],
+    route_slack: Annotated[Optional[int], typer.Option(help="Requests in flight above the least loaded upstream past which an upstream's cache no longer attracts requests (default 4).")] = None,
+    session_affinity: Annotated[Optional[bool], typer.Option("--session-affinity/--no-session-affinity", help="A conversation cached nowhere goes to its own upstream (rendezvous hash), not the least loaded (default on).")] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -191,14 +194,16 @@ def proxy(
                                    allow_client_tenant=allow_client_tenant,
                                    upstream_api_key=upstream_api_key, rate_per_s=rate and rate.rate_per_s,
                                    rate_burst=rate and rate.burst, kv_connector=kv_connector,
-                                   metrics_key=metrics_key).items()
+                                   metrics_key=metrics_key, upstream_events=upstream_events or None,
+                                   route_slack=route_slack, session_affinity=session_affinity).items()
              if v is not None}
     try:
         settings = load_settings(config, **flags)
     except (ValidationError, ValueError) as exc:
         errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": str(exc)}]
         where = ".".join(str(x) for x in errors[0]["loc"]) or "settings"
-        _fail(f"{where}: {errors[0]['msg']} (pass --upstream URL, or set CONTEXTKIT_PROXY_UPSTREAMS='[\"http://...\"]')")
+        hint = " (pass --upstream URL, or set CONTEXTKIT_PROXY_UPSTREAMS='[\"http://...\"]')" if where == "upstreams" else ""
+        _fail(f"{where}: {errors[0]['msg']}{hint}")
     try:
         serve(settings)
     except ContextKitError as exc:
