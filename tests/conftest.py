@@ -7,8 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ import torch
 from contextkit.bench.workload import TraceDoc, TraceRequest
 from contextkit.core.config import ContextKitConfig
 from contextkit.core.models import prepare
-from contextkit.integrations.launchers.process import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -221,34 +218,11 @@ def one_line_error():
     return _assert_one_line_error
 
 
-class AppThread:
-    """An ASGI app under uvicorn in a daemon thread, on a free loopback port (``with`` starts and stops it)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.port = free_port()
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="session")
 def app_thread():
     """``app_thread(asgi_app)``: a context manager serving it on loopback (``.url``, ``.app``)."""
+    from contextkit.integrations.launchers.inprocess import AppThread
+
     return AppThread
 
 

