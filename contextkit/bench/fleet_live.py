@@ -5,10 +5,13 @@ sockets. A mixed workload is replayed through the proxy with ``--set concurrency
 each session's turns in order: the documents trace's sessions (chat requests with ``documents``, the
 proxy orders them) and real agent trajectories (``--set agents=6``, the SWE-agent traces: before each
 assistant turn, the conversation so far, ``--set agent_turns=8`` turns each). Every request asks for one token (its latency is its TTFT)
-and for its prompt's token ids. Arms, one run each, caches reset and a fresh proxy secret in between:
+and for its prompt's token ids. A fleet runs several proxy replicas behind a load balancer: ``--set
+replicas=2`` proxies (one secret) take the requests in turn, so no replica sees all the traffic (``1``: one
+proxy sees everything). Arms, one run each, caches reset and a fresh proxy secret in between:
 
 - ``round_robin``: the proxy in front of vllm-router's round-robin policy;
-- ``current``: the proxy's routing before KV events (documents by its Weaver model, the rest least loaded);
+- ``current``: the proxy's routing before KV events (documents by its Weaver model of what it sent, the
+  rest least loaded);
 - ``events``: the proxy routing every request by the servers' KV events (the default settings);
 - ``vllm_router``: the proxy in front of vllm-router's cache-aware policy (the proxy orders documents,
   salts and renders; the router routes);
@@ -23,9 +26,9 @@ and the proxy's routing decisions.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
-import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -120,10 +123,13 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, model: str)
     return obj, where, ms
 
 
-async def replay(url: str, sessions: list[Session], *, model: str, concurrency: int, synced=None) -> list[Outcome]:
-    """Each session's turns in order, ``concurrency`` sessions at once; ``synced(obj, upstream)``, if given,
-    is awaited after each answer (the oracle waits there for the index to hold what was just cached)."""
+async def replay(urls: list[str], sessions: list[Session], *, model: str, concurrency: int,
+                 synced=None) -> list[Outcome]:
+    """Each session's turns in order, ``concurrency`` sessions at once, request after request to the next of
+    ``urls`` (proxy replicas behind a round-robin balancer); ``synced(obj, upstream)``, if given, is awaited
+    after each answer (the oracle waits there for the index to hold what was just cached)."""
     queue = list(reversed(sessions))
+    balancer = itertools.cycle(urls)
     out: list[Outcome] = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as client:
@@ -133,7 +139,7 @@ async def replay(url: str, sessions: list[Session], *, model: str, concurrency: 
                 s = queue.pop()
                 previous = 0
                 for i, body in enumerate(s.turns):
-                    obj, where, ms = await _one(client, url, body, model)
+                    obj, where, ms = await _one(client, next(balancer), body, model)
                     o = Outcome(s.kind, i, ms=ms, upstream=where, previous_prompt=previous, ok=obj is not None)
                     if obj is not None:
                         usage = obj.get("usage") or {}
@@ -162,31 +168,12 @@ def summarize(arm: Arm, block: int) -> dict:
             "decisions": dict(arm.decisions)}
 
 
-def router_binary() -> str | None:
-    """vllm-router's executable (PyPI ``vllm-router``): beside this interpreter, else on PATH."""
-    here = Path(sys.executable).parent / "vllm-router"
-    return str(here) if here.is_file() else shutil.which("vllm-router")
-
-
 def new_secret() -> str:
     return uuid.uuid4().hex
 
 
 def tmpdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="ck-fleet-"))
-
-
-def _router_process(binary: str, workers: list[str], policy: str, log_file: Path):
-    from functools import partial
-
-    from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers]
-    proc = ManagedProcess("vllm-router", argv, partial(health, url), log_file=log_file, startup_timeout_s=120)
-    proc.start()
-    return proc, url
 
 
 class _Oracle:
@@ -214,7 +201,9 @@ class _Oracle:
 
 
 def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], ctx: BenchContext, root: Path,
-            concurrency: int, block: int) -> Arm:
+            concurrency: int, block: int, replicas: int = 1) -> Arm:
+    """One arm: its proxies (``replicas`` of them, one secret, the oracle uses the first alone) in front of
+    the servers, or of vllm-router in front of them; the workload replayed through them."""
     from contextkit.integrations.launchers.inprocess import AppThread
     from contextkit.integrations.proxy.app import create_app
     from contextkit.integrations.proxy.settings import ProxySettings
@@ -224,38 +213,43 @@ def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], c
                 model=ctx.config.model, timeout_s=600, rate_per_s=0)
     router_proc = None
     if name in ("round_robin", "vllm_router"):
-        binary = router_binary()
-        if binary is None:
-            raise ConfigError("vllm-router is not installed (pip install vllm-router); or leave its arms out: "
-                              "--set arms=current,events,oracle")
-        router_proc, url = _router_process(binary, urls, "round_robin" if name == "round_robin" else "cache_aware",
-                                           root / f"router-{name}.log")
+        from contextkit.integrations.launchers.vllm_router import router_process
+
+        router_proc, url = router_process(urls, policy="round_robin" if name == "round_robin" else "cache_aware",
+                                          log_file=root / f"router-{name}.log")
         settings = ProxySettings(upstreams=[url], **base)
     elif name == "current":
         settings = ProxySettings(upstreams=urls, session_affinity=False, **base)
     elif name in ("events", "oracle"):
-        extra = {"route_slack": 10**6} if name == "oracle" else {}
+        extra = {"route_slack": 10**6 if name == "oracle" else ctx.option("route_slack", 4, int)}
         settings = ProxySettings(upstreams=urls, upstream_events=events, **base, **extra)
     else:
         raise ConfigError(f"unknown arm {name!r}; arms: {', '.join(ARMS)}")
     try:
-        with AppThread(create_app(settings)) as proxy:
-            router = proxy.app.upstreams.router
-            end = time.monotonic() + 60
-            while router.publishing and not all(v.running for v in router.views if v is not None):
-                if time.monotonic() > end:
-                    raise ConfigError("the proxy's KV event subscribers did not start")
-                time.sleep(0.05)
-            oracle = _Oracle(proxy.app, block) if name == "oracle" else None
-            outcomes = asyncio.run(replay(proxy.url, sessions, model="smol", synced=oracle,
-                                          concurrency=1 if name == "oracle" else concurrency))
-            arm = Arm(name, outcomes, dict(router.decisions))
+        with contextlib.ExitStack() as stack:
+            n = 1 if name == "oracle" else replicas
+            proxies = [stack.enter_context(AppThread(create_app(settings))) for _ in range(n)]
+            for p in proxies:
+                _subscribed(p.app.upstreams.router)
+            oracle = _Oracle(proxies[0].app, block) if name == "oracle" else None
+            outcomes = asyncio.run(replay([p.url for p in proxies], sessions, model="smol", synced=oracle,
+                                          concurrency=1 if oracle else concurrency))
+            arm = Arm(name, outcomes, dict(sum((collections.Counter(p.app.upstreams.router.decisions)
+                                                for p in proxies), collections.Counter())))
             if oracle is not None:
                 arm.decisions["index_late"] = oracle.late
             return arm
     finally:
         if router_proc is not None:
             router_proc.stop(grace_s=5.0)
+
+
+def _subscribed(router, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while router.publishing and not all(v.running for v in router.views if v is not None):
+        if time.monotonic() > end:
+            raise ConfigError("the proxy's KV event subscribers did not start")
+        time.sleep(0.05)
 
 
 def _fresh(servers) -> None:
@@ -281,6 +275,7 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
     block, kv_blocks = 32, ctx.option("kv_blocks", 320, int)
     max_len = min(ctx.option("max_model_len", 4096, int), kv_blocks * block)
     concurrency = ctx.option("concurrency", 4, int)
+    replicas = ctx.option("replicas", 2, int)
     arms = [a for a in str(ctx.option("arms", ",".join(ARMS))).split(",") if a]
     root = tmpdir()
     endpoints = [ipc_events(root / f"events-{i}") for i in range(2)]
@@ -301,14 +296,14 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
             _fresh(servers)
             results.append(summarize(run_arm(name, servers=servers, events=[",".join(e) for e in endpoints],
                                              sessions=sessions, ctx=ctx, root=root, concurrency=concurrency,
-                                             block=block), block))
+                                             block=block, replicas=replicas), block))
             tick(name)
     finally:
         for s in servers:
             s.stop()
     by = {r["arm"]: r for r in results}
     summary = {"requests_per_arm": sum(len(s.turns) for s in sessions), "sessions": len(sessions),
-               "kv_blocks_per_server": kv_blocks, "concurrency": concurrency,
+               "kv_blocks_per_server": kv_blocks, "concurrency": concurrency, "proxy_replicas": replicas,
                "cached_share": {a: r["cached_share"] for a, r in by.items()},
                "ttft_ms_p50": {a: r["ttft_ms_p50"] for a, r in by.items()},
                "ttft_ms_p90": {a: r["ttft_ms_p90"] for a, r in by.items()},

@@ -135,3 +135,34 @@ def test_an_evicted_prefix_stops_attracting_requests(fleet, fleet_vllm, passage_
     assert view.index.counts["removed"] > 0
     later = chat(url, "key-fleet-a-000001", messages)
     assert later.headers["x-contextkit-route"] != "events"
+
+
+def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fleet_vllm, config, app_thread,
+                                                                   passage_text, tmp_path):
+    """contextkit proxy -> vllm-router (cache-aware) -> both servers: the proxy orders documents, salts and
+    renders, the router routes. A reordered repeat lands where its prefix is; another tenant's identical
+    request shares nothing (the salt reaches vLLM through the router)."""
+    from contextkit.integrations.launchers.vllm_router import router_binary, router_process
+    from contextkit.integrations.proxy.app import create_app
+    from contextkit.integrations.proxy.settings import ProxySettings
+
+    binary = router_binary()
+    assert binary is not None, "vllm-router is not installed (pip install -e '.[dev]' installs it)"
+    proc, router_url = router_process([vllm_url, fleet_vllm[0]], policy="cache_aware", log_file=tmp_path / "router.log")
+    try:
+        settings = ProxySettings(upstreams=[router_url], cache_dir=config.cache_dir, timeout_s=120,
+                                 secret=uuid.uuid4().hex, api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"})
+        run = uuid.uuid4().hex[:6]
+        docs = [{"id": f"{run}-{i}", "text": passage_text[i * 700 : (i + 1) * 700]} for i in range(4)]
+        with app_thread(create_app(settings)) as p:
+            first = chat(p.url, "key-fleet-a-000001", [{"role": "user", "content": "Who is named first?"}],
+                         documents=docs)
+            again = chat(p.url, "key-fleet-a-000001", [{"role": "user", "content": "Who is named first?"}],
+                         documents=docs[::-1])
+            other = chat(p.url, "key-fleet-b-000001", [{"role": "user", "content": "Who is named first?"}],
+                         documents=docs)
+        assert first.json()["contextkit"]["order"] == again.json()["contextkit"]["order"]  # the order restored
+        assert cached(again) >= 16 * BS  # the router sent the same prompt where it was cached
+        assert cached(other) == 0  # b's salt: nothing of a's, whichever server the router chose
+    finally:
+        proc.stop(grace_s=5.0)
