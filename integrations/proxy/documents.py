@@ -133,6 +133,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         refuse_unasked_blend(prompt_ids=plan.ids, separator=ups.settings.cacheblend_separator,
                              separator_ids=ups.blend_separator(planner.tokenizer))
     payload = json.dumps(out).encode()
+    ups.router.sent(u, routed.keys, routed.indexed)
     with ups.pool.lease(u):
         resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
         if resp.status != 200:  # the upstream refused the request: its own error, as it is
@@ -142,7 +143,6 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": text.encode()})
             return
-        ups.router.sent(u, routed.keys, routed.indexed)
         if reuse is None:
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
         elif connector == "contextkit":

@@ -72,7 +72,8 @@ class BlockIndex:
         self.max_blocks = max_blocks
         self.fleet, self.server = fleet, server
         self._keys: OrderedDict[Hashable, bytes] = OrderedDict()  # vLLM's hash -> our key, oldest first
-        self._held: Counter[bytes] = Counter()  # our key -> how many of vLLM's hashes name it
+        self._held: Counter[bytes] = Counter()  # our key -> how many of vLLM's hashes (and one expectation) name it
+        self._expected: OrderedDict[bytes, float] = OrderedDict()  # our key -> until when, soonest first
         self.counts = Counter()  # stored, removed, cleared, unknown_parent, refused, forgotten
 
     def __len__(self) -> int:
@@ -126,6 +127,32 @@ class BlockIndex:
             if self.fleet is not None:
                 self.fleet.drop(key, self.server)
 
+    def expect(self, keys: Sequence[bytes], until: float) -> None:
+        """A prompt with these keys was just sent to the server: count its blocks as held until ``until``
+        (or until its own ``BlockStored`` arrives and holds them for good). This covers the time between
+        sending a request and its events arriving, in which the next turn of a conversation is often
+        routed already. ``until`` must not go back in time between calls (a monotonic clock's now + a
+        fixed delay): the expectations expire oldest first."""
+        for key in keys:
+            if key in self._expected:
+                self._expected.move_to_end(key)
+            else:
+                self._held[key] += 1
+                if self.fleet is not None and self._held[key] == 1:
+                    self.fleet.add(key, self.server)
+            self._expected[key] = until
+        while len(self._expected) > self.max_blocks:
+            self._drop(self._expected.popitem(last=False)[0])
+
+    def expire(self, now: float) -> None:
+        """Drop the expectations whose time has passed (what the events did not confirm is not held)."""
+        while self._expected:
+            key, until = next(iter(self._expected.items()))
+            if until > now:
+                return
+            del self._expected[key]
+            self._drop(key)
+
     def removed(self, hashes: Sequence[Hashable]) -> None:
         """A ``BlockRemoved`` event (a hash the index never saw is ignored)."""
         for h in hashes:
@@ -141,6 +168,7 @@ class BlockIndex:
                 self.fleet.drop(key, self.server)
         self._keys.clear()
         self._held.clear()
+        self._expected.clear()
         self.counts["cleared"] += 1
 
     def held_prefix(self, keys: Sequence[bytes]) -> int:

@@ -167,14 +167,14 @@ class Upstreams:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
         if body is not None:
             headers["content-type"] = "application/json"
+        if routed is not None:
+            self.router.sent(u, routed.keys, routed.indexed)
         with self.pool.lease(u):
             resp = await self.start(u, route.method, route.path, headers, body, t)
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]
             out.append((b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)))
             if routed is not None:
                 out += [(b"x-contextkit-upstream", u.name.encode()), (b"x-contextkit-route", routed.choice.rule.encode())]
-                if resp.status == 200:
-                    self.router.sent(u, routed.keys, routed.indexed)
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return await self.relay(u, resp, receive, send, out, t)
             try:

@@ -124,9 +124,14 @@ class Router:
         return v is not None and v.fresh(self.clock(), self.stale_s)
 
     def held(self, keys: Sequence[bytes]) -> dict[int, int]:
-        """Leading blocks of ``keys`` each upstream with a fresh index holds (upstreams holding none: absent)."""
+        """Leading blocks of ``keys`` each upstream with a fresh index holds, or was just sent (upstreams
+        holding none: absent)."""
         if not keys:
             return {}
+        now = self.clock()
+        for v in self.views:
+            if v is not None:
+                v.index.expire(now)
         return {i: n for i, n in self.fleet.held_prefixes(keys).items() if self.fresh(i)}
 
     def pick(self, pool: Sequence[Upstream], *, events: dict[int, int], model: dict[int, int] | None = None,
@@ -158,11 +163,16 @@ class Router:
         return choice
 
     def sent(self, u: Upstream, keys: Sequence[bytes], held_blocks: int) -> None:
-        """``u`` accepted a prompt with these keys: if it will store blocks it did not hold, an event is due
-        (the stale clock starts, unless it already runs)."""
+        """A prompt with these keys is being sent to ``u``: its blocks count as held there until its events
+        arrive (at most ``events_stale_s``), and if it stores blocks ``u`` did not hold, an event is due (the
+        stale clock starts, unless it already runs)."""
         v = self.views[self.upstreams.index(u)]
-        if v is not None and len(keys) > held_blocks and v.expect_since is None:
-            v.expect_since = self.clock()
+        if v is None or not keys:
+            return
+        now = self.clock()
+        v.index.expect(keys, now + self.stale_s)
+        if len(keys) > held_blocks and v.expect_since is None:
+            v.expect_since = now
 
     async def run(self) -> None:
         """Run every upstream's subscriber until cancelled (one that fails is logged, stale, and retried)."""

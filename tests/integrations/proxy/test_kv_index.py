@@ -123,3 +123,22 @@ def test_the_fleet_index_scores_every_server_as_its_own_index_does(events, data)
     assert [d for d, _ in groups] == sorted({*want.values()}, reverse=True)
     assert all(want[s] == d for d, m in groups for s in range(3) if m >> s & 1)
     assert len(fleet) == len(set().union(*(idx._held for idx in servers)))
+
+
+def test_an_expected_block_is_held_until_its_time_and_a_stored_one_outlives_its_expectation():
+    fleet = FleetIndex()
+    index = BlockIndex(block_size=BS, fleet=fleet, server=3)
+    ids = list(range(3 * BS))
+    keys = prompt_keys(ids, block_size=BS, salt="t")
+    index.expect(keys, until=10.0)
+    assert index.held_prefix(keys) == 3 and fleet.held_prefixes(keys) == {3: 3}
+    _store(index, ids[:BS], "t", tag="s")  # the server confirms the first block
+    index.expire(9.9)
+    assert index.held_prefix(keys) == 3
+    index.expire(10.0)
+    assert index.held_prefix(keys) == 1 and fleet.held_prefixes(keys) == {3: 1}
+    index.expect(keys[:1], until=20.0)
+    index.removed([b"s-0"])  # evicted while expected: still claimed until the expectation ends
+    assert index.held_prefix(keys) == 1
+    index.expire(20.0)
+    assert index.held_prefix(keys) == 0 and len(fleet) == 0

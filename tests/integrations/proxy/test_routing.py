@@ -152,3 +152,21 @@ def test_events_entries_must_match_the_upstreams():
     ok = ProxySettings(upstreams=["http://a:1", "http://b:1"], upstream_events=["tcp://a:5557,tcp://a:5558", "none"])
     router = Router(UpstreamPool(ok.upstreams, 32).upstreams, ok)
     assert router.views[1] is None and router.views[0].subscriber.replay_endpoint == "tcp://a:5558"
+
+
+def test_a_prompt_just_sent_counts_as_held_until_its_events_arrive_or_its_time_runs_out():
+    clock = Clock()
+    pool, router = _router(clock=clock)
+    a, b = pool.upstreams
+    ids = list(range(300, 300 + 4 * BS))
+    keys = prompt_keys(ids, block_size=BS, salt="t")
+    router.sent(b, keys, held_blocks=0)  # on its way to b; b has published nothing yet
+    follow_up = prompt_keys(ids + list(range(7, 7 + 2 * BS)), block_size=BS, salt="t")
+    choice = router.pick(pool.healthy(), events=router.held(follow_up))
+    assert choice.upstream is b and choice.held_blocks == 4  # the next turn follows it at once
+    clock.now += 0.5
+    _cache(router, 1, ids[: 2 * BS], "t")  # b's events confirm the first two blocks only
+    clock.now += 9.6
+    assert router.held(follow_up) == {1: 2}  # the unconfirmed rest expired
+    router.views[1].index.cleared()
+    assert router.held(follow_up) == {}
