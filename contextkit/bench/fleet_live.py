@@ -165,7 +165,15 @@ def summarize(arm: Arm, block: int) -> dict:
             "ttft_ms_p50": round(median(ms), 1) if ms else None,
             "ttft_ms_p90": round(percentile(ms, 90), 1) if ms else None,
             "session_hit_share": round(len(hits) / max(1, len(later)), 3),
-            "decisions": dict(arm.decisions)}
+            **{f"{kind}_{k}": v for kind in ("documents", "agent") for k, v in _by_kind(ok, kind).items()},
+            "split": dict(collections.Counter(o.upstream for o in ok)), "decisions": dict(arm.decisions)}
+
+
+def _by_kind(ok: list[Outcome], kind: str) -> dict:
+    mine = [o for o in ok if o.kind == kind]
+    ms = [o.ms for o in mine]
+    return {"cached_share": round(sum(o.cached_tokens for o in mine) / max(1, sum(o.prompt_tokens for o in mine)), 3),
+            "ttft_ms_p90": round(percentile(ms, 90), 1) if ms else None}
 
 
 def new_secret() -> str:

@@ -245,7 +245,7 @@ class ProxyApp:
             keys = await self.planning.run(render_keys, path, body, self._planner.tokenizer,
                                            block_size=self.settings.block_size, salt=salt)
         events = router.held(keys)
-        choice = router.pick(pool, events=events, session=session_key(body, salt))
+        choice = router.pick(pool, events=events, session=session_key(body, salt), blocks=len(keys))
         return Routed(choice, keys, events.get(router.upstreams.index(choice.upstream), 0))
 
     async def route_tokenizer(self):

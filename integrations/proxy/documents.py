@@ -184,7 +184,8 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop) 
             i = router.upstreams.index(u)
             events[i] = router.held(k).get(i, 0)
             model[i] = (plan.expected_cached_tokens or 0) // ups.settings.block_size
-    choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model)
+    choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model,
+                         blocks=max(len(k) for k in keys))
     at = pool.index(choice.upstream)
     return Routed(choice, keys[at], events.get(router.upstreams.index(choice.upstream), 0)), plans[at]
 

@@ -8,10 +8,11 @@ one pass over its block keys. A prompt's keys come from its token ids and the ``
 How a request is placed (``Router.pick``), among the healthy upstreams:
 
 1. Load first: an upstream more than ``route_slack`` requests in flight above the least loaded one is not
-   a candidate for its cache (a hot prefix must not pile every request onto one server).
-2. Then the candidate holding the most leading blocks of the prompt: by its events when it publishes and
-   its index is fresh (rule ``events``), else by the proxy's model of what it was sent (documents requests:
-   the Weaver's tree; rule ``model``).
+   a candidate (a hot prefix must not pile every request onto one server).
+2. Then the candidate of most value: the leading blocks of the prompt it holds, by its events when it
+   publishes and its index is fresh (rule ``events``), else by the proxy's model of what it was sent
+   (documents requests: the Weaver's tree; rule ``model``), less ``route_load_weight`` prompts' worth of
+   blocks per request it has in flight above the least loaded one.
 3. Nothing held anywhere: the conversation's own upstream by rendezvous hashing of its session key
    (``prompt_cache_key``, else its first two messages; rule ``affinity``): every proxy replica picks the
    same one, and adding an upstream moves only the sessions that now hash to it. Else the least loaded.
@@ -100,6 +101,7 @@ class Router:
         self.upstreams = list(upstreams)
         self.block_size = settings.block_size
         self.stale_s, self.slack, self.affinity = settings.events_stale_s, settings.route_slack, settings.session_affinity
+        self.load_weight = settings.route_load_weight
         self.clock = clock
         self.fleet = FleetIndex()
         self.views: list[EventView | None] = []
@@ -135,26 +137,35 @@ class Router:
         return {i: n for i, n in self.fleet.held_prefixes(keys).items() if self.fresh(i)}
 
     def pick(self, pool: Sequence[Upstream], *, events: dict[int, int], model: dict[int, int] | None = None,
-             session: bytes | None = None) -> Choice:
-        """Place a request among ``pool`` (healthy, non-empty) given the leading blocks each upstream holds
-        by its events (``events``, keyed by position in ``upstreams``) and by the proxy's model (``model``:
-        used for upstreams whose index is not fresh)."""
+             session: bytes | None = None, blocks: int = 0) -> Choice:
+        """Place a request of ``blocks`` full blocks among ``pool`` (healthy, non-empty) given the leading
+        blocks each upstream holds by its events (``events``, keyed by position in ``upstreams``) and by the
+        proxy's model (``model``: used for upstreams whose index is not fresh).
+
+        An upstream's value is the blocks it would not prefill minus ``load_weight`` x the prompt's blocks
+        for every request it has in flight above the least loaded one: a request ahead in the queue costs
+        about a prompt's worth of work, so a few shared blocks (a system prompt every request starts with)
+        never pile requests onto one server, while a conversation's long prefix still wins over a small
+        difference in load."""
         model = model or {}
         floor = min(u.inflight for u in pool)
         candidates = [u for u in pool if u.inflight <= floor + self.slack]
 
-        def score(u: Upstream) -> tuple[int, str]:
+        def held(u: Upstream) -> tuple[int, str]:
             i = self.upstreams.index(u)
             if self.fresh(i):
                 return events.get(i, 0), "events"
             return model.get(i, 0), "model"
 
-        scored = [(score(u), u) for u in candidates]
-        (blocks, rule), best = max(scored, key=lambda x: (x[0][0], -x[1].inflight, -x[1].requests))
-        if any(score(u)[0] > blocks for u in pool if u not in candidates):
-            self.decisions["overloaded"] += 1
-        if blocks > 0:
-            choice = Choice(best, rule, blocks)
+        def value(u: Upstream) -> float:
+            return held(u)[0] - self.load_weight * max(blocks, 1) * (u.inflight - floor)
+
+        best = max(candidates, key=lambda u: (value(u), -u.inflight, -u.requests))
+        (n, rule), worth = held(best), value(best)
+        if any(held(u)[0] > n for u in pool):
+            self.decisions["overloaded"] += 1  # a deeper cache passed over for load
+        if n > 0 and worth > 0:
+            choice = Choice(best, rule, n)
         elif self.affinity and session is not None:
             choice = Choice(rendezvous(session, candidates), "affinity")
         else:

@@ -56,6 +56,9 @@ class ProxySettings(BaseSettings):
     # an upstream more than this many requests in flight above the least loaded one no longer attracts
     # requests by what it caches (they go to the least loaded): a hot prefix must not pile up on one server
     route_slack: int = Field(4, ge=0)
+    # below the slack, what a request in flight costs against cached blocks, in prompts' worth of blocks
+    # (routing.Router.pick): 0 = the deepest cache always wins; 1 = a queued request costs a whole prefill
+    route_load_weight: float = Field(0.5, ge=0)
     session_affinity: bool = True  # a conversation without cache hits anywhere stays on one upstream (by its key)
 
     @model_validator(mode="after")

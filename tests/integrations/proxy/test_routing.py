@@ -170,3 +170,22 @@ def test_a_prompt_just_sent_counts_as_held_until_its_events_arrive_or_its_time_r
     assert router.held(follow_up) == {1: 2}  # the unconfirmed rest expired
     router.views[1].index.cleared()
     assert router.held(follow_up) == {}
+
+
+def test_a_few_shared_blocks_do_not_outweigh_a_queued_request_but_a_long_prefix_does():
+    pool, router = _router()
+    a, b = pool.upstreams
+    ids = list(range(1000, 1000 + 20 * BS))
+    keys = prompt_keys(ids, block_size=BS, salt="t")
+    _cache(router, 0, ids[: 2 * BS], "t")  # a holds only the first two blocks (a system prompt, say)
+    a.inflight = 1
+    choice = router.pick(pool.healthy(), events=router.held(keys), blocks=len(keys))
+    assert choice.upstream is b and choice.rule == "least_loaded" and router.decisions["overloaded"] == 1
+    router.views[0].index.cleared()
+    _cache(router, 0, ids[: 18 * BS], "t")  # now a holds 18 of the 20: worth more than one request ahead
+    choice = router.pick(pool.healthy(), events=router.held(keys), blocks=len(keys))
+    assert choice.upstream is a and choice.rule == "events" and choice.held_blocks == 18
+    a.inflight = 0  # equal load: even two shared blocks decide
+    router.views[0].index.cleared()
+    _cache(router, 0, ids[: 2 * BS], "t")
+    assert router.pick(pool.healthy(), events=router.held(keys), blocks=len(keys)).upstream is a
