@@ -104,7 +104,7 @@ class PoolCollector:
 
     def collect(self):
         routing = CounterMetricFamily("contextkit_proxy_routing_decisions", "generation requests placed, by rule "
-                                      "(events, model, affinity, least_loaded, single; overloaded: a cache passed "
+                                      "(events, model, affinity, least_loaded; overloaded: a cache passed "
                                       "over for load)", labels=["rule"])
         for rule, n in self.router.decisions.items():
             routing.add_metric([rule], n)

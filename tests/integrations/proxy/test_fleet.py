@@ -98,6 +98,10 @@ def test_a_conversations_next_turn_goes_where_its_prefix_is(fleet, passage_text)
     r2 = chat(url, "key-fleet-a-000001", turn)
     assert r2.headers["x-contextkit-upstream"] == went and r2.headers["x-contextkit-route"] == "events"
     assert cached(r2) >= 8 * BS  # and the server did reuse the first turn's prefix
+    metrics = httpx.get(url + "/metrics", timeout=30).text  # loopback: no metrics key needed
+    fresh = [line for line in metrics.splitlines() if line.startswith("contextkit_proxy_upstream_events_fresh{")]
+    assert len(fresh) == 2 and all(line.endswith(" 1.0") for line in fresh)
+    assert 'contextkit_proxy_routing_decisions_total{rule="events"} 1.0' in metrics
 
 
 def test_two_tenants_identical_prompts_never_score_each_others_blocks(fleet, passage_text):
