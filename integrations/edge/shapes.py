@@ -142,6 +142,9 @@ class _Sampling(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = None  # vLLM's name: the response carries the prompt's token ids
+    # OpenAI's name for a conversation's cache key: the proxy keeps a session on one upstream by it
+    # (integrations/proxy/routing.py, session affinity); serve has one engine and ignores it
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
 
     @property
     def new_tokens(self) -> int | None:

@@ -246,7 +246,7 @@ class ProxyApp:
                                            block_size=self.settings.block_size, salt=salt)
         events = router.held(keys)
         choice = router.pick(pool, events=events, session=session_key(body, salt), blocks=len(keys))
-        return Routed(choice, keys, events.get(router.upstreams.index(choice.upstream), 0))
+        return Routed(choice, keys, events.get(router.position(choice.upstream), 0))
 
     async def route_tokenizer(self):
         """The upstream model's tokenizer for scoring prompts, loaded once off the loop; None (logged once)

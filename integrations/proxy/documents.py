@@ -34,7 +34,7 @@ from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
 from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
 from contextkit.integrations.proxy.kv_index import prompt_keys
-from contextkit.integrations.proxy.routing import Choice, Routed
+from contextkit.integrations.proxy.routing import Choice, Routed, session_key
 from contextkit.integrations.proxy.span_compiler import check_options, pic_params, pic_salt, segments_of, spans_of
 from contextkit.integrations.proxy.upstreams import Upstream
 
@@ -116,7 +116,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     await off_loop(planner.docs, request)  # tokenizes every document (cached for the plans): never on the loop
     salt = tenancy.cache_salt(request.tenant)
     sent_salt = pic_salt(salt, request.reuse) if request.reuse is not None and connector == "contextkit" else salt
-    routed, plan = await place(ups, planner, request, sent_salt, off_loop)
+    routed, plan = await place(ups, planner, request, sent_salt, off_loop, session=session_key(body, salt))
     u = routed.choice.upstream
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
     out = completion_body(body, chat, plan, salt)
@@ -164,7 +164,8 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)))
 
 
-async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop) -> tuple[Routed, RequestPlan]:
+async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
+                session: bytes | None = None) -> tuple[Routed, RequestPlan]:
     """Choose the upstream for a documents request and its plan there. Each upstream's Weaver may order the
     documents differently, so the request is planned once per distinct order and each plan is scored
     against the upstream it was made for: by that upstream's KV events (the blocks it holds under the
@@ -178,16 +179,18 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop) 
         return Routed(Choice(pool[0], "single")), plan
     plans, keys = await off_loop(plan_each, planner, request, pool, limits, salt=salt)
     router = ups.router
-    events, model = {}, {}
+    events, model, scored = {}, {}, {}
     for u, plan, k in zip(pool, plans, keys):
         if plan is not None:
-            i = router.upstreams.index(u)
-            events[i] = router.held(k).get(i, 0)
+            i = router.position(u)
+            if k not in scored:  # upstreams whose Weavers chose the same order share one fleet pass
+                scored[k] = router.held(k)
+            events[i] = scored[k].get(i, 0)
             model[i] = (plan.expected_cached_tokens or 0) // ups.settings.block_size
     choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model,
-                         blocks=max(len(k) for k in keys))
+                         blocks=max(len(k) for k in keys), session=session)
     at = pool.index(choice.upstream)
-    return Routed(choice, keys[at], events.get(router.upstreams.index(choice.upstream), 0)), plans[at]
+    return Routed(choice, keys[at], events.get(router.position(choice.upstream), 0)), plans[at]
 
 
 def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *,

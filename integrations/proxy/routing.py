@@ -99,6 +99,7 @@ class Router:
     def __init__(self, upstreams: Sequence[Upstream], settings: ProxySettings,
                  clock: Callable[[], float] = time.monotonic):
         self.upstreams = list(upstreams)
+        self._position = {id(u): i for i, u in enumerate(self.upstreams)}
         self.block_size = settings.block_size
         self.stale_s, self.slack, self.affinity = settings.events_stale_s, settings.route_slack, settings.session_affinity
         self.load_weight = settings.route_load_weight
@@ -116,6 +117,10 @@ class Router:
             self.views.append(EventView(index, feed, EventSubscriber(endpoints[0], feed=feed,
                                                                      replay_endpoint=endpoints[1])))
         self.decisions: Counter[str] = Counter()  # rule -> requests; "overloaded": a cache passed over for load
+
+    def position(self, u: Upstream) -> int:
+        """``u``'s place in ``upstreams`` (the key of ``events`` and ``model`` scores)."""
+        return self._position[id(u)]
 
     @property
     def publishing(self) -> bool:
@@ -152,7 +157,7 @@ class Router:
         candidates = [u for u in pool if u.inflight <= floor + self.slack]
 
         def held(u: Upstream) -> tuple[int, str]:
-            i = self.upstreams.index(u)
+            i = self.position(u)
             if self.fresh(i):
                 return events.get(i, 0), "events"
             return model.get(i, 0), "model"
@@ -177,7 +182,7 @@ class Router:
         """A prompt with these keys is being sent to ``u``: its blocks count as held there until its events
         arrive (at most ``events_stale_s``), and if it stores blocks ``u`` did not hold, an event is due (the
         stale clock starts, unless it already runs)."""
-        v = self.views[self.upstreams.index(u)]
+        v = self.views[self.position(u)]
         if v is None or not keys:
             return
         now = self.clock()
