@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextkit.integrations.edge.answers import chunk, completion, sse
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
+from contextkit.integrations.proxy.event_order import event_order
 from contextkit.integrations.proxy.kv_index import prompt_keys
 from contextkit.integrations.proxy.relay import (
     UPSTREAM_ERRORS,
@@ -193,26 +194,33 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
     if len(pool) == 1:
         plan = await off_loop(planner.plan, request, pool[0].weaver, context_limit=limits[0])
         return Routed(Choice(pool[0], "single")), plan
-    plans, keys = await off_loop(plan_each, planner, request, pool, limits, salt=salt)
     router = ups.router
+    depth = router.depth_reader([router.position(u) for u in pool])
+    plans, keys, (alt, alt_keys) = await off_loop(plan_each, planner, request, pool, limits, salt=salt, depth=depth)
     events, model, scored = {}, {}, {}
-    for u, plan, k in zip(pool, plans, keys):
+    for at, (u, plan, k) in enumerate(zip(pool, plans, keys)):
         if plan is not None:
             i = router.position(u)
             if k not in scored:  # upstreams whose Weavers chose the same order share one fleet pass
                 scored[k] = router.held(k)
             events[i] = scored[k].get(i, 0)
             model[i] = (plan.expected_cached_tokens or 0) // ups.settings.block_size
+            if alt is not None:  # the order the fleet's events found, where it holds more than the Weaver's
+                scored.setdefault(alt_keys, router.held(alt_keys))
+                if scored[alt_keys].get(i, 0) > events[i]:
+                    plans[at], keys[at], events[i] = alt, alt_keys, scored[alt_keys][i]
     choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model,
                          blocks=max(len(k) for k in keys), session=session)
     at = pool.index(choice.upstream)
     return Routed(choice, keys[at], events.get(router.position(choice.upstream), 0)), plans[at]
 
 
-def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *,
-              salt: str) -> tuple[list[RequestPlan | None], list[tuple[bytes, ...]]]:
+def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *, salt: str,
+              depth=None) -> tuple[list[RequestPlan | None], list[tuple[bytes, ...]], tuple]:
     """The request planned with each upstream's Weaver and its prompt's block keys (one plan per distinct
-    order and limit). An upstream whose context the prompt does not fit gets None; none fitting raises."""
+    order and limit), and (plan, keys) of the order the fleet's events hold deepest (``depth``: the
+    router's reader; None, or no such order: (None, ())). An upstream whose context the prompt does not fit
+    gets None; none fitting raises."""
     made: dict = {}
     plans, keys = [], []
     error = None
@@ -229,7 +237,14 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
         keys.append(made[order, limit][1])
     if all(p is None for p in plans):
         raise error
-    return plans, keys
+    alt = None
+    if depth is not None:
+        fits = [limit for limit, p in zip(limits, plans) if p is not None]
+        limit = min(fits, default=None) if None not in fits else None
+        alt = event_order(planner, request, depth=depth, salt=salt, block_size=planner.block_size,
+                          context_limit=limit)
+    alt_keys = tuple(prompt_keys(alt.ids, block_size=planner.block_size, salt=salt)) if alt is not None else ()
+    return plans, keys, (alt, alt_keys)
 
 
 def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,

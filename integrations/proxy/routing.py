@@ -141,6 +141,24 @@ class Router:
                 v.index.expire(now)
         return {i: n for i, n in self.fleet.held_prefixes(keys).items() if self.fresh(i)}
 
+    def depth_reader(self, positions: Sequence[int]):
+        """For a planning thread: ``depth(keys)``, the most leading blocks of ``keys`` any of these upstreams
+        with a fresh index holds, reading the fleet map only; None when none is fresh. Expectations are
+        expired here, on the loop, first (the thread never writes)."""
+        now = self.clock()
+        for v in self.views:
+            if v is not None:
+                v.index.expire(now)
+        fresh = {i for i in positions if self.fresh(i)}
+        if not fresh:
+            return None
+        fleet = self.fleet
+
+        def depth(keys: Sequence[bytes]) -> int:
+            return max((n for i, n in fleet.held_prefixes(keys).items() if i in fresh), default=0)
+
+        return depth
+
     def pick(self, pool: Sequence[Upstream], *, events: dict[int, int], model: dict[int, int] | None = None,
              session: bytes | None = None, blocks: int = 0) -> Choice:
         """Place a request of ``blocks`` full blocks among ``pool`` (healthy, non-empty) given the leading
