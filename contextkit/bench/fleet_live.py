@@ -279,12 +279,7 @@ def _fresh(servers) -> None:
 
 def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[dict], dict]:
     """Start two servers, replay the workload under every arm; (rows, summary)."""
-    from contextkit.integrations.launchers.vllm_server import (
-        VLLMServer,
-        VLLMServerConfig,
-        ipc_events,
-        kv_events_args,
-    )
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
 
     block, kv_blocks = 32, ctx.option("kv_blocks", 320, int)
     max_len = min(ctx.option("max_model_len", 4096, int), kv_blocks * block)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from contextkit.integrations.launchers.process import free_port
-
 from contextkit.core.errors import UpstreamError
+from contextkit.integrations.launchers.process import free_port
 
 
 class AppThread:

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
-from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
-
 from contextkit.core.errors import ConfigError
+from contextkit.integrations.launchers.process import ManagedProcess, free_port, health
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash", "random")
 

@@ -24,32 +24,6 @@ import logging
 import time
 from types import SimpleNamespace
 
-from contextkit.integrations.edge.answers import error_body, error_headers
-from contextkit.integrations.edge.metrics import (
-    CONTENT_TYPE,
-    ServerMetrics,
-    route_label,
-)
-from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
-from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
-from contextkit.integrations.proxy.documents import Planning, documents
-from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
-from contextkit.integrations.proxy.routes import (
-    check_json,
-    not_found_message,
-    route_of,
-    salt_body,
-    strip_connector_fields,
-)
-from contextkit.integrations.proxy.routing import (
-    Routed,
-    Router,
-    render_keys,
-    session_key,
-)
-from contextkit.integrations.proxy.settings import ProxySettings
-from contextkit.integrations.proxy.upstreams import UpstreamPool
-from contextkit.integrations.vllm_connector.cacheblend import refuse_unasked_blend
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -63,13 +37,25 @@ from contextkit.core.errors import (
 )
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
-from contextkit.core.tenancy import (
-    Tenancy,
-    check_bind,
-    deployment_secret,
-    load_api_keys,
-)
+from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
+from contextkit.integrations.vllm_connector.cacheblend import refuse_unasked_blend
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, route_label
+from contextkit.integrations.edge.answers import error_body, error_headers
+from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
+from contextkit.integrations.proxy.documents import Planning, documents
+from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
+from contextkit.integrations.proxy.routing import Routed, Router, render_keys, session_key
+from contextkit.integrations.proxy.routes import (
+    check_json,
+    not_found_message,
+    route_of,
+    salt_body,
+    strip_connector_fields,
+)
+from contextkit.integrations.proxy.settings import ProxySettings
+from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
+from contextkit.integrations.proxy.upstreams import UpstreamPool
 
 log = logging.getLogger("contextkit.proxy")
 PARSE_ON_LOOP = 256 << 10  # bytes: a body smaller than this is parsed on the event loop

@@ -23,37 +23,21 @@ import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from contextkit.integrations.edge.answers import chunk, completion, sse
-from contextkit.integrations.edge.parse import parse_chat
-from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
-from contextkit.integrations.proxy.event_order import event_order
-from contextkit.integrations.proxy.kv_index import prompt_keys
-from contextkit.integrations.proxy.relay import (
-    UPSTREAM_ERRORS,
-    Upstreams,
-    read_error,
-    send_json,
-    streamed,
-)
-from contextkit.integrations.proxy.routing import Choice, Routed, session_key
-from contextkit.integrations.proxy.span_compiler import (
-    check_options,
-    pic_params,
-    pic_salt,
-    segments_of,
-    spans_of,
-)
-from contextkit.integrations.proxy.upstreams import Upstream
-from contextkit.integrations.vllm_connector.cacheblend import (
-    blend_prompt_ids,
-    refuse_unasked_blend,
-)
-
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
+from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
+from contextkit.integrations.edge.answers import chunk, completion, sse
+from contextkit.integrations.edge.parse import parse_chat
+from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
+from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
+from contextkit.integrations.proxy.event_order import event_order
+from contextkit.integrations.proxy.kv_index import prompt_keys
+from contextkit.integrations.proxy.routing import Choice, Routed, session_key
+from contextkit.integrations.proxy.span_compiler import check_options, pic_params, pic_salt, segments_of, spans_of
+from contextkit.integrations.proxy.upstreams import Upstream
 
 # Plannings at once. Tokenizing is CPU-bound (the tokenizer's Rust core runs without the GIL), so more
 # threads than the cores left over from the event loop only slow each other down, and each planning holds

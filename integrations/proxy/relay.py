@@ -15,14 +15,14 @@ import time
 
 import aiohttp
 import yarl
+
+from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
 from contextkit.integrations.proxy.routes import Route, scrub_answer
 from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.proxy.span_compiler import SpanCompiler
 from contextkit.integrations.proxy.upstreams import Upstream, UpstreamPool
-
-from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
 # the client's key is for us (the upstream gets its own); its Content-Type is the proxy's to set
@@ -74,10 +74,7 @@ class Upstreams:
     def blend_separator(self, tokenizer) -> list[int]:
         """The token ids LMCache's CacheBlend splits prompts at (``kv_connector="cacheblend"``), found once."""
         if self._separator is None:
-            from contextkit.integrations.vllm_connector.cacheblend import (
-                CacheBlendConfig,
-                separator_ids,
-            )
+            from contextkit.integrations.vllm_connector.cacheblend import CacheBlendConfig, separator_ids
 
             self._separator = separator_ids(tokenizer, CacheBlendConfig(separator=self.settings.cacheblend_separator))
         return self._separator

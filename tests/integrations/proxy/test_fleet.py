@@ -14,6 +14,7 @@ import uuid
 
 import httpx
 import pytest
+
 from contextkit.integrations.proxy.routing import render_keys
 
 BS = 32
@@ -23,12 +24,7 @@ SMALL_BLOCKS = 64
 @pytest.fixture(scope="module")
 def fleet_vllm(smol_dir, tmp_path_factory):
     """A second vLLM server publishing KV events, with room for 64 blocks: (url, "pub,replay")."""
-    from contextkit.integrations.launchers.vllm_server import (
-        VLLMServer,
-        VLLMServerConfig,
-        ipc_events,
-        kv_events_args,
-    )
+    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
 
     events = ipc_events(tmp_path_factory.mktemp("fleet-events"))
     config = VLLMServerConfig(model_dir=smol_dir, max_model_len=1024, kv_cache_gib=1,
@@ -150,10 +146,7 @@ def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fle
     """contextkit proxy -> vllm-router (cache-aware) -> both servers: the proxy orders documents, salts and
     renders, the router routes. A reordered repeat lands where its prefix is; another tenant's identical
     request shares nothing (the salt reaches vLLM through the router)."""
-    from contextkit.integrations.launchers.vllm_router import (
-        router_binary,
-        router_process,
-    )
+    from contextkit.integrations.launchers.vllm_router import router_binary, router_process
     from contextkit.integrations.proxy.app import create_app
     from contextkit.integrations.proxy.settings import ProxySettings
 

@@ -5,18 +5,13 @@ held anywhere. Events are built by hand here; ``test_fleet.py`` runs two real vL
 from __future__ import annotations
 
 import pytest
-from contextkit.integrations.proxy.kv_index import prompt_keys
-from contextkit.integrations.proxy.routing import (
-    Router,
-    prompt_ids,
-    rendezvous,
-    session_key,
-)
-from contextkit.integrations.proxy.settings import ProxySettings
-from contextkit.integrations.proxy.upstreams import UpstreamPool
 
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc
+from contextkit.integrations.proxy.kv_index import prompt_keys
+from contextkit.integrations.proxy.routing import Router, prompt_ids, rendezvous, session_key
+from contextkit.integrations.proxy.settings import ProxySettings
+from contextkit.integrations.proxy.upstreams import UpstreamPool
 
 BS = 4
 
