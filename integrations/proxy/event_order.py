@@ -4,8 +4,8 @@ Each proxy replica's Weaver knows only the orders that replica sent, so a sessio
 another replica (a load balancer in front of several) used to be ordered afresh, and the prompt the
 servers hold for it went unused. The servers' events know better: this module orders the documents
 greedily, one position at a time, choosing the document with which the rendered prompt's cached prefix
-(on the server holding it deepest) goes furthest, until no choice extends it; the rest keep the
-client's order. It is a candidate beside each upstream's Weaver order, scored the same way.
+(on the server holding it deepest) goes furthest, the rest following in the client's order, until the
+choice at a position no longer changes how far it goes (the cached prefix ends before it). It is a candidate beside each upstream's Weaver order, scored the same way.
 
 Cost: at most k(k+1)/2 plans and key chains for k documents (a fully cached order is found in the first
 pass through the positions); it runs on a planning thread and reads the fleet map only (no writes).
@@ -42,24 +42,22 @@ def event_order(planner, request, *, depth: Callable[[Sequence[bytes]], int], sa
         return None
     chosen: list[int] = []
     remaining = list(range(n))
-    best, best_plan = 0, None
-    while remaining:
-        step = None
+    best, best_order = 0, None
+    while len(remaining) > 1:
+        tried = []
         for d in remaining:
             order = (*chosen, d, *(r for r in remaining if r != d))
             plan = planner.plan(request, Fixed(order), context_limit=context_limit)
             keys = prompt_keys(plan.ids, block_size=block_size, salt=salt)
-            got = depth(keys)
-            if got > best and (step is None or got > step[1]):
-                step = (d, got, plan, len(keys))
-        if step is None:
+            tried.append((depth(keys), -len(tried), d, order, len(keys)))
+        top, bottom = max(tried), min(tried)
+        if top[0] == bottom[0] or top[0] < best:  # the cached prefix ends before this position
             break
-        chosen.append(step[0])
-        remaining.remove(step[0])
-        best, best_plan = step[1], step[2]
-        if best == step[3]:  # the whole prompt is cached in this order
+        best, _, d, best_order, total = top
+        chosen.append(d)
+        remaining.remove(d)
+        if best == total:  # the whole prompt is cached in this order
             break
-    if best_plan is None or not chosen:
+    if best_order is None or best == 0:
         return None
-    order = (*chosen, *remaining)
-    return planner.plan(request, Fixed(order, best * block_size), context_limit=context_limit)
+    return planner.plan(request, Fixed(best_order, best * block_size), context_limit=context_limit)

@@ -189,3 +189,34 @@ def test_a_few_shared_blocks_do_not_outweigh_a_queued_request_but_a_long_prefix_
     router.views[0].index.cleared()
     _cache(router, 0, ids[: 2 * BS], "t")
     assert router.pick(pool.healthy(), events=router.held(keys), blocks=len(keys)).upstream is a
+
+
+def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, passage_text):
+    """A session's next request reaches a proxy replica whose Weaver never saw the order its first request
+    was sent in: the order the servers hold is found from their events."""
+    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.tokenizer import Tokenizer
+    from contextkit.core.types import Evidence, Message
+    from contextkit.integrations.proxy.event_order import Fixed, event_order
+    from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex
+
+    planner = Planner(Tokenizer(smol_dir), block_size=32)
+    docs = tuple(Evidence(passage_text[i * 600 : (i + 1) * 600], id=f"d{i}") for i in range(5))
+    sent = (3, 0, 4, 1, 2)  # what the other replica's Weaver chose for the first request
+    first = ChatRequest((Message("user", "Who is named first?"),), docs, ordering="weaver")
+    ids = planner.plan(first, Fixed(sent)).ids
+    fleet = FleetIndex()
+    index = BlockIndex(block_size=32, fleet=fleet, server=1)
+    keys = prompt_keys(ids, block_size=32, salt="s")
+    index.expect(keys, until=1e9)  # the server holds that prompt (as its events would say)
+
+    def depth(k):
+        return max(fleet.held_prefixes(k).values(), default=0)
+
+    later = ChatRequest((Message("user", "And who is named last?"),), docs[::-1], ordering="weaver")
+    plan = event_order(planner, later, depth=depth, salt="s", block_size=32)
+    assert [plan.document_ids[i] for i in range(5)] == [f"d{i}" for i in sent]
+    assert plan.expected_cached_tokens >= len(keys) * 32 - 2 * 32  # all but the question's blocks
+    assert event_order(planner, later, depth=depth, salt="other-tenant", block_size=32) is None
+    kept = ChatRequest(later.messages, later.documents, ordering="retrieval")
+    assert event_order(planner, kept, depth=depth, salt="s", block_size=32) is None  # the client's order stands
