@@ -13,7 +13,8 @@ How a request is placed (``Router.pick``), among the healthy upstreams:
    publishes and its index is fresh (rule ``events``), else by the proxy's model of what it was sent
    (documents requests: the Weaver's tree; rule ``model``), less ``route_load_weight`` prompts' worth of
    blocks per request it has in flight above the least loaded one.
-3. Nothing held anywhere: the conversation's own upstream by rendezvous hashing of its session key
+3. Nothing held anywhere: when some candidate publishes no fresh events (its cache may hold the session
+   unseen), the conversation's own upstream by rendezvous hashing of its session key
    (``prompt_cache_key``, else its first two messages; rule ``affinity``): every proxy replica picks the
    same one, and adding an upstream moves only the sessions that now hash to it. Else the least loaded.
 
@@ -189,7 +190,9 @@ class Router:
             self.decisions["overloaded"] += 1  # a deeper cache passed over for load
         if n > 0 and worth > 0:
             choice = Choice(best, rule, n)
-        elif self.affinity and session is not None:
+        elif self.affinity and session is not None and not all(self.fresh(self.position(u)) for u in candidates):
+            # without every server's events a session's earlier turns may be cached where nothing says so:
+            # keep it on its own upstream (with them, a session cached nowhere is a new one: least loaded)
             choice = Choice(rendezvous(session, candidates), "affinity")
         else:
             choice = Choice(min(candidates, key=lambda u: (u.inflight, u.requests)), "least_loaded")
