@@ -15,6 +15,8 @@ proxy sees everything). Arms, one run each, caches reset and a fresh proxy secre
 - ``events``: the proxy routing every request by the servers' KV events (the default settings);
 - ``vllm_router``: the proxy in front of vllm-router's cache-aware policy (the proxy orders documents,
   salts and renders; the router routes);
+- ``vllm_router_unordered``: the same, the documents kept in the client's order (``contextkit.ordering =
+  "retrieval"``): what the proxy's ordering adds to the router's cache hits;
 - ``oracle``: event routing that always knows every cache: one session at a time, each request sent only
   once the index holds the previous one's blocks, and no load limit. Its cached share is the ceiling.
 
@@ -41,7 +43,7 @@ import aiohttp
 from contextkit.bench.harness import BenchContext, median, percentile
 from contextkit.core.errors import ConfigError
 
-ARMS = ("round_robin", "current", "events", "vllm_router", "oracle")
+ARMS = ("round_robin", "current", "events", "vllm_router", "vllm_router_unordered", "oracle")
 KEY, TENANT = "key-bench-fleet-0001", "bench"
 
 
@@ -221,11 +223,14 @@ def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], c
     base = dict(cache_dir=ctx.config.cache_dir, secret=new_secret(), api_keys={KEY: TENANT}, block_size=block,
                 model=ctx.config.model, timeout_s=600, rate_per_s=0)
     router_proc = None
-    if name in ("round_robin", "vllm_router"):
+    if name in ("round_robin", "vllm_router", "vllm_router_unordered"):
         from contextkit.integrations.launchers.vllm_router import router_process
 
         router_proc, url = router_process(urls, policy="round_robin" if name == "round_robin" else "cache_aware",
                                           log_file=root / f"router-{name}.log")
+        if name == "vllm_router_unordered":
+            sessions = [Session(s.name, s.kind, tuple({**b, "contextkit": {"ordering": "retrieval"}} if "documents" in b
+                                                      else b for b in s.turns)) for s in sessions]
         settings = ProxySettings(upstreams=[url], **base)
     elif name == "current":
         settings = ProxySettings(upstreams=urls, session_affinity=False, **base)
@@ -323,6 +328,9 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
                "session_hit_share": {a: r["session_hit_share"] for a, r in by.items()}}
     if "events" in by and "current" in by:
         summary["event_vs_current_cached_share"] = round(by["events"]["cached_share"] / max(1e-9, by["current"]["cached_share"]), 3)
+    if "vllm_router" in by and "vllm_router_unordered" in by:
+        summary["router_ordering_gain_documents"] = round(
+            by["vllm_router"]["documents_cached_share"] / max(1e-9, by["vllm_router_unordered"]["documents_cached_share"]), 3)
     if "events" in by and "oracle" in by:
         summary["event_share_of_oracle"] = round(by["events"]["cached_share"] / max(1e-9, by["oracle"]["cached_share"]), 3)
     return results, summary
