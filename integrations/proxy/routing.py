@@ -93,7 +93,7 @@ class Router:
     Args:
         upstreams: the pool's upstreams, in ``--upstream`` order.
         settings: the proxy's (``upstream_events``, ``block_size``, ``events_stale_s``, ``index_blocks``,
-            ``route_slack``, ``session_affinity``).
+            ``route_slack``, ``route_load_weight``, ``session_affinity``).
         clock: monotonic seconds (tests pass their own).
     """
 
