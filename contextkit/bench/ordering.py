@@ -50,9 +50,9 @@ from contextkit.bench.workload import (
 from contextkit.core.align import pad_to_block
 from contextkit.core.errors import ConfigError
 from contextkit.core.models import prepare
-from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.planner import ChatRequest, FixedOrder, Planner
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Doc, Evidence, Message, OrderResult
+from contextkit.core.types import Doc, Evidence, Message
 from contextkit.integrations.launchers.vllm_server import (
     VLLMServer,
     VLLMServerConfig,
@@ -80,19 +80,6 @@ def load_stream(ctx: BenchContext, k: int) -> list[TraceRequest]:
     if out:
         write_trace(requests, Path(out))
     return requests
-
-
-class FixedOrder:
-    """An orderer that serves a chosen order (the bench's policies decide it themselves)."""
-
-    def __init__(self, order: tuple[int, ...]):
-        self._order = order
-
-    def order(self, docs, tenant=None, record=True) -> OrderResult:
-        return OrderResult(self._order, 0, 0, 0.0)
-
-    def record(self, docs, tenant=None) -> None:
-        pass
 
 
 class TraceRenderer:

@@ -54,6 +54,20 @@ class Orderer(Protocol):
     def record(self, docs: Sequence[Doc], tenant: Tenant = ...) -> None: ...
 
 
+class FixedOrder:
+    """An ``Orderer`` that serves one chosen order, with the prefix-cache hit it expects, and records
+    nothing (a bench's own policies; the proxy's order found from KV events, or its Weaver's, asked once)."""
+
+    def __init__(self, order: tuple[int, ...], reusable_tokens: int = 0):
+        self._order, self._tokens = tuple(order), reusable_tokens
+
+    def order(self, docs: Sequence[Doc], tenant: Tenant = Tenant(), record: bool = True) -> OrderResult:
+        return OrderResult(self._order, self._tokens, 0, 0.0)
+
+    def record(self, docs: Sequence[Doc], tenant: Tenant = Tenant()) -> None:
+        pass
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     """A request as every entry point hands it to the planner.

@@ -5,7 +5,8 @@ another replica (a load balancer in front of several) used to be ordered afresh,
 servers hold for it went unused. The servers' events know better: this module orders the documents
 greedily, one position at a time, choosing the document with which the rendered prompt's cached prefix
 (on the server holding it deepest) goes furthest, the rest following in the client's order, until the
-choice at a position no longer changes how far it goes (the cached prefix ends before it). It is a candidate beside each upstream's Weaver order, scored the same way.
+choice at a position no longer changes how far it goes (the cached prefix ends before it). It is a
+candidate beside each upstream's Weaver order, scored the same way.
 
 Cost: at most k(k+1)/2 plans and key chains for k documents (a fully cached order is found in the first
 pass through the positions); it runs on a planning thread and reads the fleet map only (no writes).
@@ -15,21 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from contextkit.core.types import OrderResult
+from contextkit.core.planner import FixedOrder
 from contextkit.integrations.proxy.kv_index import prompt_keys
-
-
-class Fixed:
-    """An orderer (``contextkit.core.planner.Orderer``) that serves one order and records nothing."""
-
-    def __init__(self, order: tuple[int, ...], reusable_tokens: int = 0):
-        self._order, self._tokens = order, reusable_tokens
-
-    def order(self, docs: Sequence, tenant=None, record: bool = True) -> OrderResult:
-        return OrderResult(self._order, self._tokens, 0, 0.0)
-
-    def record(self, docs: Sequence, tenant=None) -> None:
-        pass
 
 
 def event_order(planner, request, *, depth: Callable[[Sequence[bytes]], int], salt: str | None,
@@ -47,7 +35,7 @@ def event_order(planner, request, *, depth: Callable[[Sequence[bytes]], int], sa
         tried = []
         for d in remaining:
             order = (*chosen, d, *(r for r in remaining if r != d))
-            plan = planner.plan(request, Fixed(order), context_limit=context_limit)
+            plan = planner.plan(request, FixedOrder(order), context_limit=context_limit)
             keys = prompt_keys(plan.ids, block_size=block_size, salt=salt)
             tried.append((depth(keys), -len(tried), d, order, len(keys)))
         top, bottom = max(tried), min(tried)
@@ -60,4 +48,4 @@ def event_order(planner, request, *, depth: Callable[[Sequence[bytes]], int], sa
             break
     if best_order is None or best == 0:
         return None
-    return planner.plan(request, Fixed(best_order, best * block_size), context_limit=context_limit)
+    return planner.plan(request, FixedOrder(best_order, best * block_size), context_limit=context_limit)

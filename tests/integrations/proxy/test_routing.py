@@ -197,14 +197,15 @@ def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, pass
     from contextkit.core.planner import ChatRequest, Planner
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
-    from contextkit.integrations.proxy.event_order import Fixed, event_order
+    from contextkit.core.planner import FixedOrder
+    from contextkit.integrations.proxy.event_order import event_order
     from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex
 
     planner = Planner(Tokenizer(smol_dir), block_size=32)
     docs = tuple(Evidence(passage_text[i * 600 : (i + 1) * 600], id=f"d{i}") for i in range(5))
     sent = (3, 0, 4, 1, 2)  # what the other replica's Weaver chose for the first request
     first = ChatRequest((Message("user", "Who is named first?"),), docs, ordering="weaver")
-    ids = planner.plan(first, Fixed(sent)).ids
+    ids = planner.plan(first, FixedOrder(sent)).ids
     fleet = FleetIndex()
     index = BlockIndex(block_size=32, fleet=fleet, server=1)
     keys = prompt_keys(ids, block_size=32, salt="s")
