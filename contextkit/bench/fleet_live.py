@@ -259,11 +259,10 @@ def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], c
 
 
 def _subscribed(router, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while router.publishing and not all(v.running for v in router.views if v is not None):
-        if time.monotonic() > end:
-            raise ConfigError("the proxy's KV event subscribers did not start")
-        time.sleep(0.05)
+    from contextkit.integrations.launchers.process import wait_until
+
+    wait_until(lambda: all(v.running for v in router.views if v is not None), timeout_s,
+               "the proxy's KV event subscribers")
 
 
 def _fresh(servers) -> None:

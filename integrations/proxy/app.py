@@ -244,9 +244,8 @@ class ProxyApp:
         if router.publishing and await self.route_tokenizer() is not None:
             keys = await self.planning.run(render_keys, path, body, self._planner.tokenizer,
                                            block_size=self.settings.block_size, salt=salt)
-        events = router.held(keys)
-        choice = router.pick(pool, events=events, session=session_key(body, salt), blocks=len(keys))
-        return Routed(choice, keys, events.get(router.position(choice.upstream), 0))
+        choice = router.pick(pool, events=router.held(keys), session=session_key(body, salt), blocks=len(keys))
+        return Routed(choice, keys)
 
     async def route_tokenizer(self):
         """The upstream model's tokenizer for scoring prompts, loaded once off the loop; None (logged once)

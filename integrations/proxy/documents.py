@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.plan import RequestPlan
-from contextkit.core.planner import Planner
+from contextkit.core.planner import FixedOrder, Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
@@ -134,7 +134,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         refuse_unasked_blend(prompt_ids=plan.ids, separator=ups.settings.cacheblend_separator,
                              separator_ids=ups.blend_separator(planner.tokenizer))
     payload = json.dumps(out).encode()
-    ups.router.sent(u, routed.keys, routed.indexed)
+    ups.router.sent(u, routed.keys)
     with ups.pool.lease(u):
         resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
         if resp.status != 200:  # the upstream refused the request: its own error, as it is
@@ -182,6 +182,7 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
     depth = router.depth_reader([router.position(u) for u in pool])
     plans, keys, (alt, alt_keys) = await off_loop(plan_each, planner, request, pool, limits, salt=salt, depth=depth)
     events, model, scored = {}, {}, {}
+    alt_held = router.held(alt_keys) if alt is not None else {}  # the order the fleet's events found
     for at, (u, plan, k) in enumerate(zip(pool, plans, keys)):
         if plan is not None:
             i = router.position(u)
@@ -189,14 +190,12 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
                 scored[k] = router.held(k)
             events[i] = scored[k].get(i, 0)
             model[i] = (plan.expected_cached_tokens or 0) // ups.settings.block_size
-            if alt is not None:  # the order the fleet's events found, where it holds more than the Weaver's
-                scored.setdefault(alt_keys, router.held(alt_keys))
-                if scored[alt_keys].get(i, 0) > events[i]:
-                    plans[at], keys[at], events[i] = alt, alt_keys, scored[alt_keys][i]
+            if alt_held.get(i, 0) > events[i]:  # used where it holds more than the Weaver's order
+                plans[at], keys[at], events[i] = alt, alt_keys, alt_held[i]
     choice = router.pick([u for u, p in zip(pool, plans) if p is not None], events=events, model=model,
                          blocks=max(len(k) for k in keys), session=session)
     at = pool.index(choice.upstream)
-    return Routed(choice, keys[at], events.get(router.position(choice.upstream), 0)), plans[at]
+    return Routed(choice, keys[at]), plans[at]
 
 
 def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *, salt: str,
@@ -210,10 +209,11 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
     error = None
     docs = planner.docs(request)
     for u, limit in zip(pool, limits):
-        order = u.weaver.order(docs, request.tenant, record=False).order
+        result = u.weaver.order(docs, request.tenant, record=False)
+        order = result.order
         if (order, limit) not in made:
-            try:
-                plan = planner.plan(request, u.weaver, context_limit=limit)
+            try:  # the Weaver's answer as it gave it (planning with the Weaver would ask it again)
+                plan = planner.plan(request, FixedOrder(order, result.reusable_tokens), context_limit=limit)
                 made[order, limit] = plan, tuple(prompt_keys(plan.ids, block_size=planner.block_size, salt=salt))
             except PromptTooLongError as exc:
                 made[order, limit], error = (None, ()), exc

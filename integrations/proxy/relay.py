@@ -168,7 +168,7 @@ class Upstreams:
         if body is not None:
             headers["content-type"] = "application/json"
         if routed is not None:
-            self.router.sent(u, routed.keys, routed.indexed)
+            self.router.sent(u, routed.keys)
         with self.pool.lease(u):
             resp = await self.start(u, route.method, route.path, headers, body, t)
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]

@@ -79,12 +79,11 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """A placed request: the choice, its prompt's block keys (empty: not rendered) and the leading blocks
-    the chosen upstream's events say it holds (what ``Router.sent`` needs once the upstream accepts it)."""
+    """A placed request: the choice and its prompt's block keys (empty: not rendered), which
+    ``Router.sent`` takes when the request goes out."""
 
     choice: Choice
     keys: tuple[bytes, ...] = ()
-    indexed: int = 0
 
 
 class Router:
@@ -136,20 +135,20 @@ class Router:
         holding none: absent)."""
         if not keys:
             return {}
+        self._expire()
+        return {i: n for i, n in self.fleet.held_prefixes(keys).items() if self.fresh(i)}
+
+    def _expire(self) -> None:
         now = self.clock()
         for v in self.views:
             if v is not None:
                 v.index.expire(now)
-        return {i: n for i, n in self.fleet.held_prefixes(keys).items() if self.fresh(i)}
 
     def depth_reader(self, positions: Sequence[int]):
         """For a planning thread: ``depth(keys)``, the most leading blocks of ``keys`` any of these upstreams
         with a fresh index holds, reading the fleet map only; None when none is fresh. Expectations are
         expired here, on the loop, first (the thread never writes)."""
-        now = self.clock()
-        for v in self.views:
-            if v is not None:
-                v.index.expire(now)
+        self._expire()
         fresh = {i for i in positions if self.fresh(i)}
         if not fresh:
             return None
@@ -199,17 +198,17 @@ class Router:
         self.decisions[choice.rule] += 1
         return choice
 
-    def sent(self, u: Upstream, keys: Sequence[bytes], held_blocks: int) -> None:
-        """A prompt with these keys is being sent to ``u``: its blocks count as held there until its events
-        arrive (at most ``events_stale_s``), and if it stores blocks ``u`` did not hold, an event is due (the
-        stale clock starts, unless it already runs)."""
+    def sent(self, u: Upstream, keys: Sequence[bytes]) -> None:
+        """A prompt with these keys is being sent to ``u``: if it stores blocks ``u`` does not hold, an event
+        is due (the stale clock starts, unless it already runs); and its blocks count as held there until
+        its events arrive (at most ``events_stale_s``)."""
         v = self.views[self.position(u)]
         if v is None or not keys:
             return
         now = self.clock()
-        v.index.expect(keys, now + self.stale_s)
-        if len(keys) > held_blocks and v.expect_since is None:
+        if v.index.held_prefix(keys) < len(keys) and v.expect_since is None:
             v.expect_since = now
+        v.index.expect(keys, now + self.stale_s)
 
     async def run(self) -> None:
         """Run every upstream's subscriber until cancelled (one that fails is logged, stale, and retried)."""

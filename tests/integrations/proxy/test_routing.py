@@ -78,7 +78,7 @@ def test_an_upstream_silent_after_new_blocks_goes_stale_and_comes_back_with_its_
     ids = list(range(3 * BS))
     _cache(router, 0, ids, "t")
     keys = prompt_keys(ids + list(range(900, 900 + 2 * BS)), block_size=BS, salt="t")
-    router.sent(a, keys, held_blocks=3)  # 2 new blocks: an event is due
+    router.sent(a, keys)  # a holds 3 of its 5 blocks: an event is due
     clock.now += 9.9
     assert router.fresh(0)
     clock.now += 0.2
@@ -86,7 +86,7 @@ def test_an_upstream_silent_after_new_blocks_goes_stale_and_comes_back_with_its_
     assert router.pick(pool.healthy(), events=router.held(keys)).rule != "events"
     router.views[0].feed.last_event_at = clock.now  # its events flow again
     assert router.fresh(0) and router.held(keys) == {0: 3}
-    router.sent(a, keys[:3], held_blocks=3)  # nothing new: no event is due, the clock does not start
+    router.sent(a, keys[:3])  # all held: no event is due, the clock does not start
     clock.now += 60
     assert router.fresh(0)
 
@@ -160,7 +160,7 @@ def test_a_prompt_just_sent_counts_as_held_until_its_events_arrive_or_its_time_r
     a, b = pool.upstreams
     ids = list(range(300, 300 + 4 * BS))
     keys = prompt_keys(ids, block_size=BS, salt="t")
-    router.sent(b, keys, held_blocks=0)  # on its way to b; b has published nothing yet
+    router.sent(b, keys)  # on its way to b; b has published nothing yet
     follow_up = prompt_keys(ids + list(range(7, 7 + 2 * BS)), block_size=BS, salt="t")
     choice = router.pick(pool.healthy(), events=router.held(follow_up))
     assert choice.upstream is b and choice.held_blocks == 4  # the next turn follows it at once
