@@ -51,13 +51,15 @@ def derive(secret: bytes, purpose: str) -> bytes:
 PIC_SUFFIX = ":pic"
 
 
-def pic_salt(salt: str, *, recompute_last: bool) -> str:
+def pic_salt(salt: str, *, recompute_last: bool, variant: str = "") -> str:
     """The ``cache_salt`` of a request that loads position-free (approximate) span KV: the tenant's salt
     with the opt-in appended, so the blocks such a request leaves in vLLM's prefix cache are hit only by
-    requests with the same opt-in (DESIGN.md: approximate KV is request-only). The proxy names requests
-    with it and the KV connector accepts a pic request's span salt only when the request's own
-    ``cache_salt`` is this function of it: one derivation on both sides of the boundary."""
-    return f"{salt}{PIC_SUFFIX}{':last' if recompute_last else ''}"
+    requests with the same opt-in (DESIGN.md: approximate KV is request-only). ``variant`` names the
+    recompute setting a repaired request ran (``RepairOptions.variant``): KV repaired at one setting is
+    never a prefix hit for a request asking another (a ratio 1.0 request must not reuse ratio 0's blocks).
+    The proxy names requests with it and the KV connector accepts a pic request's span salt only when the
+    request's own ``cache_salt`` is this function of it: one derivation on both sides of the boundary."""
+    return f"{salt}{PIC_SUFFIX}{':last' if recompute_last else ''}{':r=' + variant if variant else ''}"
 
 
 def load_secret(path: Path | str | None = None, value: str | None = None) -> bytes:

@@ -25,6 +25,7 @@ from typing import Any
 
 from contextkit.core.config import DEFAULT_CACHE_DIR
 from contextkit.core.errors import ConfigError
+from contextkit.core.repair import RepairOptions
 from contextkit.core.tenancy import pic_salt
 
 CONNECTOR_CLASS = "ContextKitConnector"
@@ -134,12 +135,15 @@ class RequestOptions:
             never an exact-prefix hit). Clients can send ``kv_transfer_params`` to vLLM, so this is
             checked against the request's ``cache_salt`` (``namespace``), never trusted as it is.
         recompute_last: for "pic", compute the last span in its context instead of loading it.
+        recompute: for "pic", recompute the loaded spans' most affected tokens in their new context before
+            vLLM reads them (``core.repair``; None: reuse without recompute).
     """
 
     mode: str = "exact"
     spans: tuple[tuple[int, int], ...] = ()
     salt: str | None = None
     recompute_last: bool = False
+    recompute: RepairOptions | None = None
 
     @classmethod
     def of(cls, params: dict[str, Any] | None, num_prompt_tokens: int) -> RequestOptions:
@@ -168,7 +172,12 @@ class RequestOptions:
         salt = raw.get("salt")
         if salt is not None and not isinstance(salt, str):
             raise ConfigError("kv_transfer_params.contextkit.salt must be a string")
-        return cls(mode, tuple(spans), salt, bool(raw.get("recompute_last", False)))
+        repair = None
+        if raw.get("recompute") is not None:
+            if mode != "pic":
+                raise ConfigError("kv_transfer_params.contextkit.recompute is for pic requests")
+            repair = RepairOptions.of(raw["recompute"])
+        return cls(mode, tuple(spans), salt, bool(raw.get("recompute_last", False)), repair)
 
     def namespace(self, cache_salt: str | None) -> str | None:
         """The salt this request's keys are named under; raises ``ConfigError`` for a salt it may not use.
@@ -184,7 +193,8 @@ class RequestOptions:
                 raise ConfigError("kv_transfer_params.contextkit.salt is only for pic requests (it must equal the "
                                   "request's cache_salt otherwise); keys are named under the request's cache_salt")
             return cache_salt
-        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last):
+        variant = self.recompute.variant if self.recompute is not None else ""
+        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last, variant=variant):
             raise ConfigError("a pic request's kv_transfer_params.contextkit.salt must be the tenant salt its "
                               "cache_salt is derived from (cache_salt = contextkit.core.tenancy.pic_salt(salt)); "
                               "send pic requests through the contextkit proxy")
