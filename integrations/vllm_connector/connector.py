@@ -50,6 +50,7 @@ from contextkit.core.tenancy import deployment_secret, derive
 from contextkit.integrations.vllm_connector.compat import SUPPORTED_VLLM, check_vllm_version
 from contextkit.integrations.vllm_connector.keys import KVGeometry, model_fingerprint
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.repair import Repairer
 from contextkit.integrations.vllm_connector.saves import SAVE_NICE, lower_priority
 from contextkit.integrations.vllm_connector.scheduler import ConnectorScheduler
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
@@ -102,10 +103,12 @@ class ContextKitConnector(KVConnectorBase_V1):
         self.connector_worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = ConnectorScheduler(settings=self.settings, geometry=self.geometry,
-                                                          store=self.store, pic_loads=self.rope is not None)
+                                                          store=self.store, pic_loads=self.rope is not None,
+                                                          profile=_profile(self.model_dir, self.geometry.dtype))
         else:
+            repairer = Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype) if self.rope else None
             self.connector_worker = ConnectorWorker(settings=self.settings, geometry=self.geometry,
-                                                    store=self.store, rope=self.rope)
+                                                    store=self.store, rope=self.rope, repairer=repairer)
             # the worker's saves and loads go through LMCache's pools: touched now (~0.1 s per GB), the
             # first prompts' saves do not pay a page fault per 4 KiB of them (measured: ~30% more save CPU
             # for the first ~10 prompts of a fresh server), nor a restart's first loads
@@ -226,4 +229,17 @@ def _rope_specs(model_dir: Path):
     except Exception as exc:  # noqa: BLE001 - any reason means the same: no re-rotation here
         log.warning("contextkit connector: no RoPE geometry for %s (%s); position-independent loads are off",
                     model_dir, exc)
+        return None
+
+
+def _profile(model_dir: Path, dtype: str):
+    """The model's calibration profile for ``dtype`` (``contextkit calibrate``), which resolves a repaired
+    request's policy="budget"; None (the built-in default) when there is none or it does not fit."""
+    try:
+        from contextkit.core.models import weights_digest
+        from contextkit.spans.calibration import find_profile
+
+        return find_profile(model_dir, model_digest=weights_digest(model_dir), dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - no profile means the built-in default, said once
+        log.warning("contextkit connector: no calibration profile for %s (%s)", model_dir, exc)
         return None

@@ -15,6 +15,24 @@ from contextkit.integrations.vllm_connector.saves import SaveOp
 
 
 @dataclass(frozen=True, slots=True)
+class RepairPlan:
+    """Recompute, in the worker, part of a pic load before vLLM reads it (``repair.Repairer``).
+
+    ``ids`` are the prompt's tokens up to where the selection may look (the loaded region, then the
+    question). Candidates are the loaded tokens of re-positioned spans (``pieces``: ``(dst, n, src)`` of
+    each); ``sinks`` (prompt positions) are recomputed whatever the policy, and ``count`` more are chosen
+    by ``policy`` (query_attention, kv_deviation; 0 for first_k)."""
+
+    policy: str
+    count: int
+    sinks: tuple[int, ...]
+    pieces: tuple[tuple[int, int, int], ...]
+    ids: tuple[int, ...]
+    probe_layers: int
+    check_layer: int
+
+
+@dataclass(frozen=True, slots=True)
 class LoadOp:
     """Load tokens ``start..end`` of request ``req_id`` from the store: ``pieces`` (contiguous from
     ``start``) into the request's cache blocks ``block_ids``."""
@@ -24,6 +42,7 @@ class LoadOp:
     end: int
     pieces: tuple[Piece, ...]
     block_ids: tuple[int, ...]
+    repair: RepairPlan | None = None
 
 
 @dataclass

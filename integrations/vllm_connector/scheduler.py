@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from dataclasses import replace
+
 from contextkit.core.errors import ConfigError
+from contextkit.core.repair import planned, sinks
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
 from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
-from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
+from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp, RepairPlan
 from contextkit.integrations.vllm_connector.saves import SaveOp
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings, RequestOptions
 
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from contextkit.kvstore.tiered import TieredStore
+    from contextkit.spans.calibration import CalibrationProfile
 
 log = logging.getLogger("contextkit.connector")
 
@@ -33,8 +37,10 @@ class ConnectorScheduler:
     """The scheduler-side half of ``ContextKitConnector`` (module docstring)."""
 
     def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore,
-                 pic_loads: bool):
+                 pic_loads: bool, profile: CalibrationProfile | None = None):
         self.block_size = geometry.block_size
+        self.profile = profile  # resolves policy="budget" of repaired requests (None: the built-in default)
+        self._warned = False
         self.geometry = geometry
         self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
         self.lookup = Lookup(store, geometry, timeout_s=settings.timeout_s, max_spans=settings.max_spans)
@@ -51,7 +57,36 @@ class ConnectorScheduler:
                 log.warning("request %s: %s; using exact reuse", request.request_id, exc)
                 opts, salt = RequestOptions(), request.cache_salt
             st = self._requests[request.request_id] = RequestState(ids, opts, salt)
+            if opts.mode == "pic" and opts.recompute is not None:
+                self._resolve(st)
         return st
+
+    def _resolve(self, st: RequestState) -> None:
+        """The request's recompute setting: policy="budget" is the profile's cheapest setting within the
+        budget for the prompt's length (or full prefill: then nothing is loaded), else, with no profile,
+        the built-in default (query_attention at the request's ratio), with a warning the first time."""
+        r = st.opts.recompute
+        if r.policy != "budget":
+            st.repair, st.report = r, {"policy": r.policy}
+            return
+        budget = r.reuse().budget
+        if self.profile is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("no calibration profile for this model: recompute policy 'budget' runs the built-in "
+                            "default (query_attention r=%s); run `contextkit calibrate` to make one", r.ratio)
+            st.repair = replace(r, policy="query_attention", fidelity_budget=None)
+            st.report = {"policy": "query_attention", "fidelity_budget": budget, "profile": "none"}
+            return
+        choice = self.profile.choose(budget, len(st.ids))
+        st.report = {"fidelity_budget": budget, "profile": self.profile.id, "band": choice.band}
+        c = choice.options
+        if c.policy == "full":
+            st.report["policy"] = "full"
+            return
+        st.repair = replace(r, policy="query_attention", ratio=c.ratio, max_recompute=None, first_k=c.first_k,
+                            probe_layers=c.probe_layers, fidelity_budget=None)
+        st.report["policy"] = "query_attention"
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -62,8 +97,10 @@ class ConnectorScheduler:
         if st.opts.mode == "off":
             pieces: tuple[Piece, ...] = ()
         elif st.opts.mode == "pic":
-            # no RoPE geometry: pic requests load nothing (logged once at start) and are computed in full
-            pieces, missing = self.lookup.spans(st, num_computed_tokens, limit) if self.pic_loads else ((), ())
+            # no RoPE geometry, or a budget only full prefill meets: load nothing, vLLM computes it all
+            full = st.report.get("policy") == "full"
+            pieces, missing = (self.lookup.spans(st, num_computed_tokens, limit) if self.pic_loads and not full
+                               else ((), ()))
         else:
             pieces = self.lookup.blocks(st, num_computed_tokens, limit)
         n = sum(p.n for p in pieces)
@@ -96,7 +133,7 @@ class ConnectorScheduler:
                 st.saved_blocks = new.num_computed_tokens // self.block_size
             if st.load is not None:
                 start, end, pieces = st.load
-                meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids)))
+                meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids), self._repair_plan(st, end, pieces)))
                 st.loaded_tokens += end - start
                 st.load = None
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -115,6 +152,22 @@ class ConnectorScheduler:
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_saves(st, done, meta)
         return meta
+
+    def _repair_plan(self, st: RequestState, end: int, pieces: tuple[Piece, ...]) -> RepairPlan | None:
+        """What the worker recomputes of this load (``core.repair``: the count is fixed here, reported)."""
+        r = st.repair
+        if r is None:
+            return None
+        moved = tuple((p.dst, p.n, p.src) for p in pieces if p.shift)  # spans at position 0 are exact
+        cand = sum(n for _, n, _ in moved)
+        sink = tuple(sinks(moved, r.first_k))
+        count = planned(policy=r.policy, ratio=r.ratio, max_recompute=r.max_recompute, candidates=cand,
+                        sinks=len(sink))
+        if not sink and not count:
+            return None
+        probe_end = len(st.ids) if r.probe_end is None else max(end + 1, min(r.probe_end, len(st.ids)))
+        st.recomputed_tokens += len(sink) + count
+        return RepairPlan(r.policy, count, sink, moved, tuple(st.ids[:probe_end]), r.probe_layers, r.check_layer)
 
     def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
         """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), and for a
@@ -139,6 +192,10 @@ class ConnectorScheduler:
         if st is None:
             return False, None
         out: dict[str, Any] = {"loaded_tokens": st.loaded_tokens, "mode": st.opts.mode}
+        if st.report:
+            out["recompute"] = {**st.report, "recomputed_tokens": st.recomputed_tokens}
+            if st.repair is not None:
+                out["recompute"]["ratio"] = st.repair.ratio
         if st.lookup is not None and st.lookup[3]:
             out["missing_spans"] = [list(m) for m in st.lookup[3]]
         return False, {"contextkit": out}

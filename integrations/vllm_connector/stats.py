@@ -19,6 +19,10 @@ COUNTERS = {
     "load_failures": "entries that were missing, failed their MAC or checksum, or did not match (vLLM recomputed)",
     "saved_entries": "blocks and spans handed to the store",
     "saved_tokens": "tokens in those entries",
+    "repairs": "pic loads whose selected tokens were recomputed in their new context before vLLM read them",
+    "repaired_tokens": "tokens those repairs recomputed",
+    "repair_failures": "repairs that raised: the span region was left to vLLM to compute in full",
+    "repair_ms": "milliseconds the worker spent repairing (divide by repairs: per request)",
     "dropped_saves": "saves dropped because the save queue was full (the least worth first) or the store refused them",
 }
 

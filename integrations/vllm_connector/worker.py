@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from contextkit.integrations.vllm_connector.lookup import Piece, fetch
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
 from contextkit.integrations.vllm_connector.pacing import Pacer
 from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
+from contextkit.integrations.vllm_connector.repair import Repairer, RepairUnsupported
 from contextkit.integrations.vllm_connector.saves import SaveQueue
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 from contextkit.integrations.vllm_connector.stats import ConnectorStats, Counters
@@ -42,7 +44,8 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 class ConnectorWorker:
     """The worker-side half of ``ContextKitConnector`` (module docstring)."""
 
-    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore, rope: list | None):
+    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore, rope: list | None,
+                 repairer: Repairer | None = None):
         self.settings = settings
         self.geometry = geometry
         self.block_size = geometry.block_size
@@ -56,6 +59,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._saves: SaveQueue | None = None
         self.pacer = Pacer(busy_share=settings.save_busy_share, quiet_s=settings.save_quiet_s)
+        self._repairer = repairer  # recomputes pic loads that ask for it (None: such loads fall back)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         def index(name: str) -> int:
@@ -80,6 +84,12 @@ class ConnectorWorker:
         per_token = g.num_layers * g.num_kv_heads * g.head_size  # elements of K (and of V) per token
         tokens = min(2048, _KEEP_LOAD_BYTES // (2 * per_token * self._paged.dtype.itemsize))
         self._load_buf = torch.zeros(2 * per_token * tokens, dtype=self._paged.dtype)
+        if self._repairer is not None:
+            try:
+                self._repairer.warm()
+            except Exception as exc:  # noqa: BLE001 - then each repair tries and falls back, counted
+                log.warning("contextkit connector: span recompute is unavailable (%s: %s); pic requests that ask "
+                            "for it are computed by vLLM", type(exc).__name__, exc)
 
     def start_load_kv(self, meta: object) -> None:
         if not isinstance(meta, ConnectorMeta) or not meta.loads or self._paged is None:
@@ -119,6 +129,16 @@ class ConnectorWorker:
         slots = slots_of(list(op.block_ids), bs, good[0].dst, good[-1].dst + good[-1].n)
         assert len(slots) == delta.numel(), "load pieces must be contiguous"
         rotate = bool(delta.any())
+        if op.repair is not None:  # the repair needs the whole region: a part missing leaves it all to vLLM
+            if good[-1].dst + good[-1].n != op.end:
+                self._load_errors.update(op.block_ids[op.start // bs : -(-op.end // bs)])
+                return
+            if rotate:
+                for li in range(len(self._caches)):
+                    self._rotate(k[li].transpose(0, 1), delta, li)
+            if not self._repaired(op, k, v):
+                return
+            rotate = False
         for li, (_, cache) in enumerate(self._caches):
             kl, vl = k[li].transpose(0, 1), v[li].transpose(0, 1)  # (heads, tokens, head_size) views
             if rotate:
@@ -128,6 +148,34 @@ class ConnectorWorker:
         self.counters.add("loaded_tokens", n)
         if rotate:
             self.counters.add("span_tokens", int((delta != 0).sum()))
+
+    def _repaired(self, op: LoadOp, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Recompute the op's selected tokens in ``k``/``v`` (``repair.py``); False when the repair raised:
+        then nothing is written, the region's blocks are reported, and vLLM computes them (a full prefill
+        of the span region, never wrong KV)."""
+        t0 = time.perf_counter()
+        try:
+            if self._repairer is None:
+                raise RepairUnsupported("no repairer (the model's RoPE geometry is unknown)")
+            prefix = self._prefix(op) if op.start else None
+            n = self._repairer.run(op.repair, start=op.start, end=op.end, prefix=prefix, k=k, v=v)
+        except Exception as exc:  # noqa: BLE001 - out of memory, an unsupported model, a bug: all fall back
+            log.warning("request %s: repair of tokens %d..%d failed (%s: %s); vLLM computes them", op.req_id,
+                        op.start, op.end, type(exc).__name__, exc)
+            self.counters.add("repair_failures")
+            self._load_errors.update(op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)])
+            return False
+        self.counters.add("repairs")
+        self.counters.add("repaired_tokens", n)
+        self.counters.add("repair_ms", round((time.perf_counter() - t0) * 1e3))
+        return True
+
+    def _prefix(self, op: LoadOp) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the request's tokens before the load, read back from vLLM's cache:
+        ``(layers, kv_heads, start, head_size)`` each."""
+        slots = slots_of(list(op.block_ids), self.block_size, 0, op.start)
+        ks, vs = zip(*(self._paged.read(cache, slots) for _, cache in self._caches))
+        return torch.stack(ks), torch.stack(vs)
 
     def _gathered(self, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The pieces' K and V, each ``(layers, heads, n, head_size)``, concatenated along the tokens into

@@ -94,3 +94,25 @@ def test_an_entry_that_does_not_match_is_not_loaded_and_its_blocks_are_recompute
     k, v = _cache_kv(worker, slots_of(list(table), BS, 0, BS))[0]
     assert torch.equal(k, keys[0][1][0]) and torch.equal(v, keys[0][2][0])
     assert worker.counters.total["loaded_tokens"] == BS
+
+
+@pytest.mark.parametrize("repairer", ["none", "sliding-window model"])
+def test_a_repair_that_cannot_run_leaves_the_span_region_to_vllm(worker, gemma_dir, repairer):
+    """A pic load that asks for recompute, where the repair raises (no repairer; a model it refuses): nothing
+    of the region is written, its blocks are reported (vLLM computes them in full) and the failure counted;
+    the exact block before it, loaded by another op of the step, still lands."""
+    from contextkit.integrations.vllm_connector.metadata import RepairPlan
+    from contextkit.integrations.vllm_connector.repair import Repairer
+
+    worker._repairer = None if repairer == "none" else Repairer(model_dir=gemma_dir, dtype="bfloat16")
+    ids = list(range(7000, 7000 + 3 * BS))
+    table = (5, 6, 9)
+    span, ks, _ = _stored(worker, "rs", ids[BS:], seed=300)
+    before = _cache_kv(worker, slots_of(list(table), BS, BS, 3 * BS))
+    plan = RepairPlan("query_attention", 10, (BS, BS + 1), ((BS, 2 * BS, 0),), tuple(ids), 8, 1)
+    op = LoadOp("r", BS, 3 * BS, (Piece(span, 0, 2 * BS, BS, tuple(ids[BS:]), shift=BS),), table, plan)
+    worker.start_load_kv(ConnectorMeta(loads=[op]))
+    assert worker.get_block_ids_with_load_errors() == {6, 9}
+    assert worker.counters.total["repair_failures"] == 1 and worker.counters.total["repairs"] == 0
+    after = _cache_kv(worker, slots_of(list(table), BS, BS, 3 * BS))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, after))

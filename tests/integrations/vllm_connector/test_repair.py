@@ -1,0 +1,113 @@
+"""The worker's repair of loaded span KV (``repair.Repairer``), in process, on SmolLM2-135M.
+
+A prompt (a head, two passages, a question) is prefilled in full by the built-in engine: the reference KV.
+Each passage is then computed alone at positions 0.. (what a span compile stores), re-rotated to its place
+by the torch reference (what the worker's load writes), and handed to the repairer with the head's exact
+KV as the local prefix. Recomputing every candidate must give the full prefill's KV; recomputing the
+planned share must move the question's next-token distribution towards full prefill's, and recompute
+exactly the planned tokens. A sliding-window model is refused, which the worker turns into a fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contextkit.core.repair import planned, sinks
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.engine.model import Engine
+from contextkit.integrations.vllm_connector.metadata import RepairPlan
+from contextkit.integrations.vllm_connector.repair import Repairer, RepairUnsupported
+from contextkit.kernels.rerotate import rerotate_reference
+
+
+@pytest.fixture(scope="module")
+def prompt(smol_dir, passage_text):
+    tok = Tokenizer(smol_dir)
+    words = passage_text.split()
+    head = tok.encode("You answer questions from the passages below.\n")
+    a = tok.encode("Passage: " + " ".join(words[:120]) + "\n")
+    b = tok.encode("Passage: " + " ".join(words[120:240]) + "\n")
+    q = tok.encode("Question: what is the first passage about? Answer:")
+    return head, a, b, q
+
+
+def _setup(engine: Engine, prompt):
+    head, a, b, q = prompt
+    ids = head + a + b + q
+    full = engine.new_cache(len(ids))
+    engine.forward(full, ids, logits="none")
+    start, end = len(head), len(head) + len(a) + len(b)
+    ks, vs = [], []
+    for span, at in ((a, start), (b, start + len(a))):  # compiled alone, then moved to its place
+        alone = engine.new_cache(len(span))
+        engine.forward(alone, span, logits="none")
+        ks.append(torch.stack([rerotate_reference(alone.k[li, :, : len(span)], at, layer.rope)
+                               for li, layer in enumerate(engine.spec.layers)]))
+        vs.append(alone.v[:, :, : len(span)])
+    k = torch.cat(ks, dim=2).transpose(1, 2).contiguous()  # (layers, tokens, heads, D): the load's layout
+    v = torch.cat(vs, dim=2).transpose(1, 2).contiguous()
+    prefix = (full.k[:, :, :start].clone(), full.v[:, :, :start].clone())
+    pieces = ((start, len(a), 0), (start + len(a), len(b), 0))
+    return ids, full, start, end, prefix, k, v, pieces
+
+
+def _plan(ids, pieces, *, policy="query_attention", ratio, first_k=2):
+    sink = tuple(sinks(pieces, first_k))
+    cand = sum(n for _, n, _ in pieces)
+    count = planned(policy=policy, ratio=ratio, max_recompute=None, candidates=cand, sinks=len(sink))
+    return RepairPlan(policy, count, sink, pieces, tuple(ids), probe_layers=8, check_layer=1)
+
+
+def _next_token_logprobs(engine: Engine, ids, start, end, prefix, k, v):
+    cache = engine.new_cache(len(ids))
+    cache.k[:, :, :start], cache.v[:, :, :start] = prefix
+    cache.k[:, :, start:end], cache.v[:, :, start:end] = k.transpose(1, 2), v.transpose(1, 2)
+    cache.positions[:end] = torch.arange(end)
+    cache.segments[:end] = 0
+    cache.length = end
+    return engine.forward(cache, ids[end:]).log_softmax(-1)[0]
+
+
+def test_recomputing_every_candidate_gives_the_full_prefill_kv(smol_dir, prompt):
+    repairer = Repairer(model_dir=smol_dir, dtype="float32")
+    ids, full, start, end, prefix, k, v, pieces = _setup(repairer.engine(), prompt)
+    stale = (k.transpose(1, 2) - full.k[:, :, start:end]).abs().max().item()
+    n = repairer.run(_plan(ids, pieces, ratio=1.0), start=start, end=end, prefix=prefix, k=k, v=v)
+    assert n == end - start
+    assert stale > 0.5  # the spans' KV really lacked its context
+    torch.testing.assert_close(k.transpose(1, 2), full.k[:, :, start:end], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(v.transpose(1, 2), full.v[:, :, start:end], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["query_attention", "kv_deviation"])
+def test_a_partial_repair_recomputes_the_planned_tokens_and_moves_towards_full_prefill(smol_dir, prompt, policy):
+    repairer = Repairer(model_dir=smol_dir, dtype="bfloat16")
+    engine = repairer.engine()
+    ids, full, start, end, prefix, k, v, pieces = _setup(engine, prompt)
+    full.truncate(end)
+    ref = engine.forward(full, ids[end:]).log_softmax(-1)[0]
+    before = _next_token_logprobs(engine, ids, start, end, prefix, k, v)
+    plan = _plan(ids, pieces, policy=policy, ratio=0.3)
+    n = repairer.run(plan, start=start, end=end, prefix=prefix, k=k, v=v)
+    after = _next_token_logprobs(engine, ids, start, end, prefix, k, v)
+    kl = lambda lp: float((ref.exp() * (ref - lp)).sum())  # noqa: E731
+    assert n == len(plan.sinks) + plan.count == 4 + round(0.3 * (end - start))
+    assert kl(after) < kl(before)
+
+
+def test_first_k_recomputes_only_the_sinks(smol_dir, prompt):
+    repairer = Repairer(model_dir=smol_dir, dtype="float32")
+    ids, full, start, end, prefix, k, v, pieces = _setup(repairer.engine(), prompt)
+    k0 = k.clone()
+    n = repairer.run(_plan(ids, pieces, policy="first_k", ratio=0.3, first_k=3), start=start, end=end,
+                     prefix=prefix, k=k, v=v)
+    assert n == 6
+    changed = (k - k0).abs().amax(dim=(0, 2, 3)) > 0  # per token
+    a_len = pieces[0][1]
+    assert changed.nonzero().flatten().tolist() == [0, 1, 2, a_len, a_len + 1, a_len + 2]
+
+
+def test_a_sliding_window_model_is_refused(gemma_dir):
+    with pytest.raises(RepairUnsupported, match="sliding-window"):
+        Repairer(model_dir=gemma_dir, dtype="float32").engine()
