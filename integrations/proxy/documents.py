@@ -36,7 +36,14 @@ from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read
 from contextkit.integrations.proxy.event_order import event_order
 from contextkit.integrations.proxy.kv_index import prompt_keys
 from contextkit.integrations.proxy.routing import Choice, Routed, session_key
-from contextkit.integrations.proxy.span_compiler import check_options, pic_params, pic_salt, segments_of, spans_of
+from contextkit.integrations.proxy.span_compiler import (
+    check_options,
+    pic_params,
+    pic_salt,
+    segments_of,
+    spans_of,
+    uses_spans,
+)
 from contextkit.integrations.proxy.upstreams import Upstream
 
 # Plannings at once. Tokenizing is CPU-bound (the tokenizer's Rust core runs without the GIL), so more
@@ -116,16 +123,19 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         check_options(connector, chat.contextkit.reuse.model_dump(exclude_none=True))
     await off_loop(planner.docs, request)  # tokenizes every document (cached for the plans): never on the loop
     salt = tenancy.cache_salt(request.tenant)
-    sent_salt = pic_salt(salt, request.reuse) if request.reuse is not None and connector == "contextkit" else salt
+    spans = connector == "contextkit" and uses_spans(request.reuse)
+    sent_salt = pic_salt(salt, request.reuse) if spans else salt
     routed, plan = await place(ups, planner, request, sent_salt, off_loop, session=session_key(body, salt))
     u = routed.choice.upstream
     ups.metrics.reorders.labels("reordered" if plan.reordered else "kept").inc()
     out = completion_body(body, chat, plan, salt)
     reuse = None
-    if request.reuse is not None and connector == "contextkit":  # span reuse: its own salt, its spans named
+    if spans:  # span reuse: its own salt, its spans and recompute named
         out["kv_transfer_params"] = pic_params(plan, salt, request.reuse)
         out["cache_salt"] = pic_salt(salt, request.reuse)
         reuse = {"path": "connector", "spans": len(out["kv_transfer_params"]["contextkit"]["spans"])}
+    elif connector == "contextkit" and request.reuse is not None:  # policy "full": an exact request
+        reuse = {"path": "connector", "policy": "full"}
     elif request.reuse is not None:  # CacheBlend: segments joined by LMCache's separator
         segments = segments_of(plan)
         out["prompt"] = blend_prompt_ids(segments, ups.blend_separator(planner.tokenizer))
@@ -146,7 +156,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
             return
         if reuse is None:
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
-        elif connector == "contextkit":
+        elif spans:
             ids = plan.ids
             ups.compiler.schedule(u.url, chat.model, salt, [ids[s:e] for s, e in spans_of(plan)],
                                   tenant=plan.tenant)
@@ -160,8 +170,9 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
         resp.release()
     ups.first_bytes(t)
     ups.metrics.usage(obj.get("usage"))
-    if reuse is not None and connector == "contextkit":
-        reuse = {**reuse, **connector_report(ups, u, chat.model, salt, plan, obj.get("kv_transfer_params"))}
+    if spans:
+        reuse = {**reuse, **connector_report(ups, u, chat.model, salt, plan, obj.get("kv_transfer_params"),
+                                                 obj.get("usage"))}
     await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)))
 
 
@@ -232,7 +243,7 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
 
 
 def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,
-                     params: dict | None) -> dict:
+                     params: dict | None, usage: dict | None = None) -> dict:
     """What the connector says it loaded; spans it found missing are compiled again."""
     got = (params or {}).get("contextkit") or {}
     missing = [m for m in got.get("missing_spans") or () if isinstance(m, list) and len(m) == 2]
@@ -241,7 +252,16 @@ def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, 
         for s, e in missing:
             ups.compiler.forget(u.url, salt, ids[s:e])
         ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in missing], tenant=plan.tenant)
-    return {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing)}
+    out = {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing)}
+    rec = got.get("recompute")
+    if isinstance(rec, dict):  # what the connector resolved and recomputed, as serve reports it
+        loaded, n = got.get("loaded_tokens") or 0, rec.get("recomputed_tokens") or 0
+        out.update({k: rec[k] for k in ("policy", "ratio", "fidelity_budget", "profile", "band") if k in rec})
+        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        out.update(recomputed_tokens=n, reused_tokens=max(0, loaded - n))
+        if isinstance(cached, int):  # vLLM computed the rest of the prompt (the question, spans not loaded)
+            out["prefilled_tokens"] = max(0, plan.num_tokens - cached)
+    return out
 
 
 def _chat_id(obj: dict) -> str:

@@ -1,10 +1,11 @@
 """Position-independent span reuse through the contextkit KV connector (``--kv-connector`` upstreams).
 
-A documents request that opts in (``contextkit.reuse = {"policy": "none"}``, optionally with
-``"recompute_last_span": true``) is sent with its spans' token ranges in ``kv_transfer_params``; the
-connector in vLLM loads each span's position-free KV, re-rotated to its place, and vLLM computes the
-rest (``integrations/vllm_connector``). This is reuse without recompute; the recompute ratio of
-``contextkit serve`` does not exist on this path (docs/vllm_connector.md says what it would take).
+A documents request that opts in (``contextkit.reuse``: ``{}`` for the calibrated default, or a policy:
+``query_attention``, ``kv_deviation``, ``first_k`` with their ratio / cap / sinks, ``none`` for no recompute,
+``full`` for none of this) is sent with its spans' token ranges and its recompute setting in
+``kv_transfer_params``; the connector in vLLM loads each span's position-free KV, re-rotated to its place,
+recomputes the selected tokens in their new context in vLLM's worker (``integrations/vllm_connector/
+repair.py``), and vLLM computes the rest.
 
 Two namespaces keep approximate KV request-only:
 - span keys are named under the tenant's salt (the one its exact requests use), so a tenant loads only
@@ -35,6 +36,7 @@ from prometheus_client import Counter as PromCounter
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core import tenancy
 from contextkit.core.plan import RequestPlan, ReuseOptions
+from contextkit.core.repair import RepairOptions
 from contextkit.core.tenant import Tenant
 
 log = logging.getLogger("contextkit.proxy")
@@ -52,10 +54,25 @@ def check_options(connector: str, fields: dict) -> None:
                              '"kv_deviation"} (the recompute ratio is the one in the upstreams\' LMCache config)',
                              "contextkit")
         return
-    if fields.get("policy") != "none" or set(fields) - {"policy", "recompute_last_span"}:
-        raise InputError("the proxy's KV connector path reuses spans without recompute: send contextkit.reuse = "
-                         '{"policy": "none"} (optionally "recompute_last_span": true); recompute ratios run on '
-                         "contextkit serve", "contextkit")
+    policy = fields.get("policy", "budget")
+    allowed = {"policy", "recompute_last_span"} if policy == "none" else REPAIR_FIELDS
+    extra = set(fields) - allowed
+    if policy not in CONNECTOR_POLICIES or extra:
+        what = f"policy {policy!r}" if policy not in CONNECTOR_POLICIES else f"the fields {sorted(extra)}"
+        raise InputError(f"the proxy's KV connector path does not take {what}: policies "
+                         f"{', '.join(CONNECTOR_POLICIES)} (the default: budget), with "
+                         f"{', '.join(sorted(REPAIR_FIELDS - {'policy'}))} (none: recompute_last_span only); "
+                         "attention_budget, block_size and separator run on contextkit serve", "contextkit")
+
+
+CONNECTOR_POLICIES = ("budget", "query_attention", "kv_deviation", "first_k", "none", "full")
+REPAIR_FIELDS = frozenset({"policy", "ratio", "max_recompute", "fidelity_budget", "first_k", "check_layer",
+                           "probe_layers", "recompute_last_span"})
+
+
+def uses_spans(opts: ReuseOptions | None) -> bool:
+    """Whether a request with these options loads span KV through the connector ("full": no reuse)."""
+    return opts is not None and opts.policy != "full"
 
 
 def spans_of(plan: RequestPlan) -> list[tuple[int, int]]:
@@ -90,14 +107,23 @@ def segments_of(plan: RequestPlan) -> list[tuple[int, ...]]:
 
 
 def pic_salt(salt: str, opts: ReuseOptions) -> str:
-    """The ``cache_salt`` of a request reusing spans: its own namespace per opt-in (derived in
-    ``core.tenancy``, which the KV connector checks it against)."""
-    return tenancy.pic_salt(salt, recompute_last=bool(opts.recompute_last_span))
+    """The ``cache_salt`` of a request reusing spans: its own namespace per opt-in and recompute setting
+    (derived in ``core.tenancy``, which the KV connector checks it against)."""
+    repair = RepairOptions.from_reuse(opts)
+    return tenancy.pic_salt(salt, recompute_last=bool(opts.recompute_last_span),
+                            variant=repair.variant if repair is not None else "")
 
 
-def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions) -> dict:
-    return {"contextkit": {"mode": "pic", "spans": [list(s) for s in spans_of(plan)], "salt": salt,
-                           "recompute_last": bool(opts.recompute_last_span)}}
+def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions, *, probe_end: int | None = None) -> dict:
+    """``kv_transfer_params`` of a span-reuse request: its spans, the tenant's salt, and the recompute the
+    connector runs in vLLM's worker (``core.repair``; none for policy "none"). ``probe_end``: benchmarks
+    feeding an answer back keep it out of the selection."""
+    out = {"mode": "pic", "spans": [list(s) for s in spans_of(plan)], "salt": salt,
+           "recompute_last": bool(opts.recompute_last_span)}
+    repair = RepairOptions.from_reuse(opts)
+    if repair is not None:
+        out["recompute"] = {**repair.wire(), **({"probe_end": probe_end} if probe_end is not None else {})}
+    return {"contextkit": out}
 
 
 class SpanCompiler:

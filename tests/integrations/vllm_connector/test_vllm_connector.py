@@ -8,6 +8,7 @@ Unit tests of its pieces (settings, request options, keys, the paged-cache reade
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from pathlib import Path
 
@@ -517,10 +518,17 @@ def test_documents_reuse_spans_through_the_proxy_and_stay_request_only(pic_proxy
     exact = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, None, "pic-tenant"),
                        timeout=300).json()
     assert exact["contextkit"]["cached_tokens"] < 0.25 * prompt, exact["contextkit"]
-    # a recompute ratio is not this path's: a clear 422 (our InputError)
-    bad = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, {"ratio": 0.2}, "pic-tenant"),
-                     timeout=60)
-    assert bad.status_code == 422 and "policy" in bad.json()["error"]["message"]
+    # the default (a calibrated budget, else query_attention at 0.3): the same spans loaded and repaired
+    # in vLLM's worker; the report says what was resolved and recomputed
+    rep = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, {}, "pic-tenant"),
+                     timeout=300).json()["contextkit"]["reuse"]
+    assert rep["policy"] == "full" or (rep["recomputed_tokens"] > 0 and rep["reused_tokens"] > 0
+                                        and rep["prefilled_tokens"] > 0), rep
+    # what this path cannot run: a clear 422 (our InputError) naming what it takes
+    for reuse in ({"policy": "query_attention", "attention_budget": 0.2}, {"policy": "none", "ratio": 0.2}):
+        bad = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, reuse, "pic-tenant"),
+                         timeout=60)
+        assert bad.status_code == 422 and "budget, query_attention" in bad.json()["error"]["message"], bad.text
 
 
 def _wait(cond, timeout_s: float = 300.0, show=None) -> None:
@@ -605,6 +613,54 @@ def test_kv_transfer_params_cannot_choose_the_connectors_namespace(kv, smol_dir,
     assert ask(pic_salt(victim, recompute_last=False), pic)[0] == len(a) + len(b)
     _wait(lambda: metric(kv.b.url, "contextkit_connector_span_tokens") - rotated0 >= len(b), 30)
     assert metric(kv.b.url, "contextkit_connector_span_tokens") - rotated0 == len(b)
+
+
+def _kl_top(ref: dict[str, float], out: dict[str, float]) -> float:
+    """KL(ref || out) over ref's top logprobs; a token out of ``out``'s top list gets its smallest logprob."""
+    floor = min(out.values())
+    return sum(math.exp(lp) * (lp - out.get(t, floor)) for t, lp in ref.items())
+
+
+def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_only(kv, smol_dir, passage_text):
+    """Issue 28: a pic request that asks for recompute has its selected span tokens recomputed in their
+    new context by the connector's worker before vLLM reads them. The recomputed count is the planned one
+    (sinks + round(ratio x candidates)); 30% recomputed is closer to vLLM's own full prefill than no
+    recompute; recomputing every span token matches full prefill within bf16 noise; an exact request
+    afterwards hits none of the repaired blocks."""
+    from contextkit.core.repair import RepairOptions
+    from contextkit.core.tenancy import pic_salt
+
+    salt, url = "repair-tenant", kv.a.url
+    text = prompt_of(smol_dir, passage_text[3000:], 7 * BS + 24)
+    head, a, b = text[:BS], text[BS : 4 * BS], text[4 * BS : 7 * BS]  # a, b re-positioned; head at 0 (exact)
+    ids, spans = text, [[0, BS], [BS, 4 * BS], [4 * BS, 7 * BS]]
+    for span in (head, a, b):
+        complete(url, span, salt, kv_transfer_params={"contextkit": {"mode": "span"}})
+    wait_saved(kv.remote, [span_key(kv.geom, salt, s) for s in (head, a, b)])
+    ref = top_logprob(complete(url, ids, "repair-cold", kv_transfer_params={"contextkit": {"mode": "off"}},
+                               logprobs=20))
+    repairs0 = metric(url, "contextkit_connector_repairs")
+
+    def reuse(recompute: dict | None) -> tuple[dict, dict]:
+        params = {"mode": "pic", "spans": spans, "salt": salt, **({"recompute": recompute} if recompute else {})}
+        variant = RepairOptions.of(recompute).variant if recompute else ""
+        out = complete(url, ids, pic_salt(salt, recompute_last=False, variant=variant),
+                       kv_transfer_params={"contextkit": params}, logprobs=20)
+        assert out["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 7 * BS
+        return top_logprob(out), out["kv_transfer_params"]["contextkit"].get("recompute", {})
+
+    pic, none = reuse(None)
+    part, rep = reuse({"policy": "query_attention", "ratio": 0.3})
+    every, rep_all = reuse({"policy": "query_attention", "ratio": 1.0, "max_recompute": None})
+    assert not none
+    assert rep["recomputed_tokens"] == 2 * 2 + round(0.3 * 6 * BS)  # sinks of a and b + the ratio's share
+    assert rep_all["recomputed_tokens"] == 6 * BS
+    assert _kl_top(ref, part) < _kl_top(ref, pic), (_kl_top(ref, part), _kl_top(ref, pic))
+    best = max(ref, key=ref.get)
+    assert max(every, key=every.get) == best and abs(every[best] - ref[best]) < 0.05 and _kl_top(ref, every) < 0.01
+    _wait(lambda: metric(url, "contextkit_connector_repairs") - repairs0 >= 2, 60)
+    # an exact request for the same prompt: at most the head, which its span compile computed exactly at 0
+    assert cached(complete(url, ids, salt)) <= BS
 
 
 def test_a_store_that_is_down_makes_vllm_compute(kv, smol_dir, passage_text):
