@@ -32,12 +32,19 @@ same Redis). Rows, in the order they run:
 - ``span reuse (pic)``: the requests again, spans loaded re-rotated from the store, the question computed
   (reuse without recompute); then the prefix cache emptied again and
 - ``span reuse, recompute last span``: the same with the last span computed in its context.
+- ``span reuse, recompute in vLLM (default)`` / ``(kv_deviation)``: the selected span tokens recomputed in
+  their new context by the connector's worker before vLLM reads them (``connector_recompute``, which also
+  runs the teacher-forced passes: each row's whole 16-token answer against vLLM's full prefill).
 
 Fidelity against the cold row, per request: ``top1_agreement`` (the same first token),
 ``logprob_delta_p50`` (|change| in the log-probability of the cold row's first token; a token that left
 the top 5 counts as a miss in ``in_top5``). Summary: ``restart_speedup`` (cold / after-restart median
 TTFT), ``pic_speedup_vs_prefix`` (prefix caching / pic), ``pic_top1_agreement``, ``shared_tier_speedup``
-(cold / second server), and the same for the other rows.
+(cold / second server), and the same for the other rows; ``recompute_speedup_vs_prefix``,
+``recompute_top1_agreement``, ``recompute_kl_p50`` (top-20 KL), ``recompute_tf_agreement`` and the
+``kv_deviation_*`` twins, ``floor_tf_agreement`` (prefix caching: exact KV), ``repair_ms_mean`` (worker
+time per repair), ``repair_rss_mb`` (what server A grew by across the recompute rows: the repairs' working
+memory) and ``repair_weights_mb`` (the engine the worker loads at start, measured by loading it here).
 """
 
 from __future__ import annotations
@@ -52,12 +59,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench import connector_recompute as recompute
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.ordering import load_stream
 from contextkit.core.errors import ConfigError, UpstreamError
 
 ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
-        "local prefix hit (floor)", "connector, second server", "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span")
+        "local prefix hit (floor)", "connector, second server", "span compile (first pass)", "span reuse (pic)",
+        "span reuse, recompute last span", *recompute.ROWS)
+TF_ROWS = ("full prefill (cold)", "prefix caching", "span reuse (pic)", *recompute.ROWS)  # teacher-forced
 SECOND_PLAIN, SECOND_SAVING = "prefix caching (2nd pair)", "prefix caching, connector saving (2nd pair)"
 
 
@@ -182,6 +192,9 @@ class _Rows:
     tick: Tick
     per: dict[str, list[tuple[float, str, dict, int]]] = field(
         default_factory=lambda: {r: [] for r in (*ROWS, SECOND_PLAIN, SECOND_SAVING)})
+    reports: dict[str, list[dict]] = field(default_factory=dict)  # the connector's answer, per request
+    answers: list[tuple[int, ...]] = field(default_factory=list)  # full prefill's greedy answers
+    forced: dict[str, list] = field(default_factory=dict)  # row -> teacher-forced top logprobs per request
 
     def measure(self, row: str, url: str, make) -> None:
         for i, plan in enumerate(self.prompts):
@@ -189,7 +202,16 @@ class _Rows:
             text, top = _first(obj)
             use = obj.get("usage") or {}
             self.per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+            self.reports.setdefault(row, []).append(((obj.get("kv_transfer_params") or {}).get("contextkit")) or {})
             self.tick(row)
+
+    def force(self, row: str, url: str, make) -> None:
+        """The row's teacher-forced pass (``connector_recompute``); ``make(i, plan)`` as for ``measure``."""
+        if not self.answers:
+            self.answers = recompute.reference_answers(_post, url, self.prompts, self.salt)
+        self.forced[row] = recompute.teacher_forced(_post, url, self.prompts, self.answers,
+                                                    lambda i, p, ids: {**make(i, p), "prompt": ids})
+        self.tick(f"{row}: teacher-forced")
 
 
 def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redis_url: str) -> float:
@@ -197,7 +219,9 @@ def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redi
     salt = m.salt
     off = {"contextkit": {"mode": "off"}}
     m.measure("full prefill (cold)", srv.a.url, lambda i, p: _body(p, f"{salt}-cold-{i}", off))
+    m.force("full prefill (cold)", srv.a.url, lambda i, p: _body(p, f"{salt}-cold-{i}", off))
     m.measure("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
+    m.force("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
     m.measure("prefix caching, connector saving", srv.a.url, lambda i, p: _body(p, salt))
     m.tick("waiting for A's saves")
     saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, prompts=m.prompts)
@@ -249,10 +273,27 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
     if not reset_prefix_cache(url):
         raise UpstreamError("vLLM refused /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 is needed)")
     m.measure("span reuse (pic)", url, lambda i, p: _body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
+    m.force("span reuse (pic)", url, lambda i, p: _body(p, pic_salt(salt, pic), pic_params(p, salt, pic)))
     reset_prefix_cache(url)
     m.measure("span reuse, recompute last span", url,
               lambda i, p: _body(p, pic_salt(salt, last), pic_params(p, salt, last)))
     return span_share
+
+
+def _recompute_rows(m: _Rows, url: str) -> None:
+    """The rows repaired inside vLLM (the spans are stored by now), each with A's prefix cache emptied."""
+    from contextkit.core.plan import ReuseOptions
+    from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
+    from contextkit.integrations.proxy.span_compiler import pic_params, pic_salt
+
+    for row, opts in ((recompute.RECOMPUTE, ReuseOptions()), (recompute.KV_DEVIATION, ReuseOptions(policy="kv_deviation"))):
+        reset_prefix_cache(url)
+
+        def make(i, p, o=opts):  # the selection looks at the question only, also when the answer is fed back
+            return _body(p, pic_salt(m.salt, o), pic_params(p, m.salt, o, probe_end=len(p.ids)))
+
+        m.measure(row, url, make)
+        m.force(row, url, make)
 
 
 def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
@@ -302,6 +343,31 @@ def _summary(rows: dict[str, dict], saved_share: float, tokens: list[int]) -> di
     }
 
 
+def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir: Path) -> dict:
+    """The teacher-forced fidelity of ``TF_ROWS`` (into their rows too) and the recompute rows' keys."""
+    ref = m.forced["full prefill (cold)"]
+    fid = {row: recompute.answer_fidelity(ref, m.answers, m.forced[row]) for row in TF_ROWS}
+    for row, f in fid.items():
+        rows[row].update(f)
+    out = {"floor_tf_agreement": fid["prefix caching"]["tf_agreement"],
+           "floor_answer_kl_p90": fid["prefix caching"]["answer_kl_p90"],
+           "pic_tf_agreement": fid["span reuse (pic)"]["tf_agreement"],
+           "pic_kl_p50": fid["span reuse (pic)"]["kl_p50"]}
+    for key, row in (("recompute", recompute.RECOMPUTE), ("kv_deviation", recompute.KV_DEVIATION)):
+        f, reports = fid[row], [r.get("recompute") or {} for r in m.reports.get(row, [])]
+        loaded = sum(r.get("loaded_tokens") or 0 for r in m.reports.get(row, []))
+        out.update({f"{key}_speedup_vs_prefix": rows[row]["speedup_vs_prefix"],
+                    f"{key}_top1_agreement": f["top1_agreement_20"], f"{key}_kl_p50": f["kl_p50"],
+                    f"{key}_tf_agreement": f["tf_agreement"], f"{key}_answer_kl_p90": f["answer_kl_p90"],
+                    f"{key}_share": round(sum(r.get("recomputed_tokens", 0) for r in reports) / max(1, loaded), 3)})
+    first = (m.reports.get(recompute.RECOMPUTE) or [{}])[0].get("recompute") or {}
+    out["recompute_resolved"] = {k: first.get(k) for k in ("policy", "ratio", "profile", "band")}
+    out.update(recompute.repair_cost(before[0], after[0]))
+    out["repair_rss_mb"] = round(after[1] - before[1], 1)  # the repairs' working memory, in server A
+    out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir)  # loaded at A's start
+    return out
+
+
 def _saving_vs_prefix(per: dict) -> dict:
     """First-time prompts, plain prefix caching over saving on: each pair of rows' ratio of median TTFTs,
     and their mean (pooling the 48 requests into one median instead mixed the pairs' drift into it)."""
@@ -341,7 +407,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     tenancy = Tenancy(secret=cfg.load_secret())
     salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
     prompts = _plan_all(requests, model_dir, block)
-    tick(total=len(prompts) * (len(ROWS) + 2) + 4)
+    tick(total=len(prompts) * (len(ROWS) + 2 + len(TF_ROWS)) + 4)
 
     saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
     saving = {k: v for k, v in saving.items() if v is not None}
@@ -351,6 +417,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
         span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt))
+        before = recompute.connector_counters(srv.a.url), recompute.tree_rss_mb(srv.a.process.proc.pid)
+        _recompute_rows(m, srv.a.url)
+        after = recompute.connector_counters(srv.a.url), recompute.tree_rss_mb(srv.a.process.proc.pid)
         _second_pair(m, srv.a.url)
     finally:
         srv.stop()
@@ -362,6 +431,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     summary["restart_load_ms_p50"] = round(median([r[0] - f[0] for r, f in zip(m.per["connector after restart"],
                                                                                   m.per["local prefix hit (floor)"])]), 1)
     summary["span_saved_share"] = span_share
+    summary.update(_recompute_summary(m, {r["row"]: r for r in out_rows}, before, after, model_dir))
     config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
               "data": str(ctx.data) if ctx.data else "default", **saving}
     return BenchResult("connector", config, out_rows, summary)

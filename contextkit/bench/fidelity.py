@@ -19,6 +19,7 @@ one cache serves several references and the gold answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,17 @@ def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     p = reference_logits.float().log_softmax(-1)
     q = logits.float().log_softmax(-1)
     return float((p.exp() * (p - q)).sum(-1).clamp_min(0).mean())
+
+
+def top_kl(reference: Mapping[int, float], logprobs: Mapping[int, float]) -> float:
+    """KL(reference || method) at one position from the top logprobs a server returns (vLLM: up to 20):
+    summed over the reference's listed tokens; one missing from the method's list counts at that list's
+    smallest logprob (an upper bound on its probability, so this under-states a large divergence a little)."""
+    if not reference or not logprobs:
+        raise InputError("top-logprob KL needs both lists non-empty; ask the server for logprobs")
+    floor = min(logprobs.values())
+    kl = sum(math.exp(lp) * (lp - logprobs.get(t, floor)) for t, lp in reference.items())
+    return max(0.0, kl)
 
 
 def mean_logprob(logits: torch.Tensor, token_ids: Sequence[int]) -> float:

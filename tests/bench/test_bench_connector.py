@@ -21,7 +21,8 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == ["full prefill (cold)", "prefix caching", "prefix caching, connector saving",
                           "connector after restart", "local prefix hit (floor)", "connector, second server",
-                          "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span"]
+                          "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span",
+                          "span reuse, recompute in vLLM (default)", "span reuse, recompute in vLLM (kv_deviation)"]
     assert all(r["requests"] == 3 for r in rows.values())
     assert rows["full prefill (cold)"]["cached_share"] == 0 and rows["full prefill (cold)"]["top1_agreement"] == 1.0
     # the restarted server and the second one load what the first computed: most of every prompt
@@ -36,3 +37,16 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
     assert len(s["saving_vs_prefix_pairs"]) == 2 and s["saving_vs_prefix"] > 0  # a difference of latencies: its sign is not asserted
     # saves wait for turns (the server idle, or a share of the time), but they all arrive: nothing dropped
     assert s["saved_share_before_restart"] == 1.0 and s["span_saved_share"] == 1.0
+    # the recompute rows: spans loaded and repaired in vLLM's worker, each repair counted, none failed;
+    # teacher-forced fidelity for them and the exact rows (full prefill against itself agrees fully)
+    for name in ("span reuse, recompute in vLLM (default)", "span reuse, recompute in vLLM (kv_deviation)"):
+        assert rows[name]["cached_share"] > 0.5, rows[name]
+        assert 0 <= rows[name]["tf_agreement"] <= 1 and rows[name]["answer_kl_p50"] >= 0
+    # (the cold row against its own pass: KL 0; its argmax can still differ from the greedy decode at a
+    # bf16 near-tie, 1 in ~100 answer tokens measured, so its agreement is the floor, not 1 by construction)
+    assert rows["full prefill (cold)"]["answer_kl_p90"] == 0 and rows["full prefill (cold)"]["tf_agreement"] > 0.5
+    assert s["repairs"] >= 2 * 3 and s["repair_failures"] == 0 and s["repair_ms_mean"] > 0
+    assert s["recompute_share"] > 0 and s["kv_deviation_share"] > 0 and s["repair_weights_mb"] > 100
+    for key in ("recompute_speedup_vs_prefix", "recompute_top1_agreement", "recompute_kl_p50", "recompute_tf_agreement",
+                "floor_tf_agreement", "repair_rss_mb"):
+        assert s[key] is not None, key
