@@ -88,3 +88,15 @@ def test_reference_counts_its_stop_token_and_a_perturbed_kv_scores_lower(engine)
     noisy.v[:, :, : len(prompt)] += torch.randn_like(noisy.v[:, :, : len(prompt)]) * 2.0
     worse = compare(ref, engine, noisy, first)
     assert worse.answer_kl > 1e-3
+
+
+def test_top_kl_from_a_servers_top_logprobs():
+    from contextkit.bench.fidelity import top_kl
+
+    ref = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
+    assert top_kl(ref, ref) == 0.0
+    out = {1: math.log(0.5), 2: math.log(0.4), 4: math.log(0.05)}  # token 3 not listed: counted at 0.05
+    want = 0.7 * math.log(0.7 / 0.5) + 0.2 * math.log(0.2 / 0.4) + 0.1 * math.log(0.1 / 0.05)
+    assert abs(top_kl(ref, out) - want) < 1e-12
+    with pytest.raises(InputError, match="logprobs"):
+        top_kl(ref, {})

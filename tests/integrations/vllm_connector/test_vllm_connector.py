@@ -8,7 +8,6 @@ Unit tests of its pieces (settings, request options, keys, the paged-cache reade
 from __future__ import annotations
 
 import json
-import math
 import urllib.request
 from pathlib import Path
 
@@ -615,18 +614,13 @@ def test_kv_transfer_params_cannot_choose_the_connectors_namespace(kv, smol_dir,
     assert metric(kv.b.url, "contextkit_connector_span_tokens") - rotated0 == len(b)
 
 
-def _kl_top(ref: dict[str, float], out: dict[str, float]) -> float:
-    """KL(ref || out) over ref's top logprobs; a token out of ``out``'s top list gets its smallest logprob."""
-    floor = min(out.values())
-    return sum(math.exp(lp) * (lp - out.get(t, floor)) for t, lp in ref.items())
-
-
 def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_only(kv, smol_dir, passage_text):
     """Issue 28: a pic request that asks for recompute has its selected span tokens recomputed in their
     new context by the connector's worker before vLLM reads them. The recomputed count is the planned one
     (sinks + round(ratio x candidates)); 30% recomputed is closer to vLLM's own full prefill than no
     recompute; recomputing every span token matches full prefill within bf16 noise; an exact request
-    afterwards hits none of the repaired blocks."""
+    afterwards hits none of the repaired blocks, nor does another tenant's identical request."""
+    from contextkit.bench.fidelity import top_kl
     from contextkit.core.repair import RepairOptions
     from contextkit.core.tenancy import pic_salt
 
@@ -655,12 +649,19 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     assert not none
     assert rep["recomputed_tokens"] == 2 * 2 + round(0.3 * 6 * BS)  # sinks of a and b + the ratio's share
     assert rep_all["recomputed_tokens"] == 6 * BS
-    assert _kl_top(ref, part) < _kl_top(ref, pic), (_kl_top(ref, part), _kl_top(ref, pic))
+    assert top_kl(ref, part) < top_kl(ref, pic), (top_kl(ref, part), top_kl(ref, pic))
     best = max(ref, key=ref.get)
-    assert max(every, key=every.get) == best and abs(every[best] - ref[best]) < 0.05 and _kl_top(ref, every) < 0.01
+    assert max(every, key=every.get) == best and abs(every[best] - ref[best]) < 0.05 and top_kl(ref, every) < 0.01
     _wait(lambda: metric(url, "contextkit_connector_repairs") - repairs0 >= 2, 60)
     # an exact request for the same prompt: at most the head, which its span compile computed exactly at 0
     assert cached(complete(url, ids, salt)) <= BS
+    # another tenant asking the same repaired request under its own pairing: nothing of the first's
+    recompute = {"policy": "query_attention", "ratio": 0.3}
+    other = complete(url, ids, pic_salt("repair-other", recompute_last=False,
+                                        variant=RepairOptions.of(recompute).variant),
+                     kv_transfer_params={"contextkit": {"mode": "pic", "spans": spans, "salt": "repair-other",
+                                                        "recompute": recompute}})
+    assert cached(other) == 0 and other["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 0
 
 
 def test_a_store_that_is_down_makes_vllm_compute(kv, smol_dir, passage_text):
