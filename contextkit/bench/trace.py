@@ -17,6 +17,10 @@ else the bench starts one), against:
    compiled position-free while its engine is idle, reused at any position with the default
    ``ReuseOptions`` (selective recomputation). Its span cache starts empty.
 5. ``serve, full prefill``: the same server, ``contextkit.reuse = {"policy": "full"}``.
+6. ``proxy + vllm connector (recompute, default)`` (before the serve arms; ``--set connector_arm=0`` skips
+   it): a vLLM of its own with the contextkit connector behind a proxy with ``--kv-connector contextkit``,
+   every request with ``contextkit.reuse = {}``: documents compiled position-free after their first
+   request, then loaded re-rotated and repaired inside vLLM with the default recompute.
 
 Only one engine runs at a time (vLLM is stopped before serve starts), so neither measures a fight for
 the cores. TTFT is the client's (request sent -> first content chunk). Answers (greedy,
@@ -27,7 +31,9 @@ Summary: ``trace_ttft_vs_vllm_proxy`` (serve with reuse p50 / proxy + vLLM p50; 
 least as fast), ``serve_ttft_ms_p50``, ``serve_full_ttft_ms_p50``, ``proxy_ttft_ms_p50``,
 ``vllm_direct_ttft_ms_p50``, ``serve_answer_agreement_f1``, ``proxy_answer_agreement_f1``,
 ``serve_exact_share`` / ``serve_reused_share`` (prompt tokens reused from an exact prefix / reused at all),
-``serve_no_idle_compile_ttft_ms_p50`` (arm 3; ``--set no_idle_arm=0`` skips it).
+``serve_no_idle_compile_ttft_ms_p50`` (arm 3; ``--set no_idle_arm=0`` skips it), ``connector_ttft_ms_p50``,
+``connector_ttft_vs_serve`` (arm 6 p50 / serve with reuse p50; <= 1.0: the connector's recompute in vLLM is
+at least as fast), ``connector_answer_agreement_f1`` (against vLLM direct).
 """
 
 from __future__ import annotations
@@ -125,6 +131,39 @@ def _vllm_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list
             server.stop()
 
 
+CONNECTOR_ARM = "proxy + vllm connector (recompute, default)"
+
+
+def _connector_arm(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list[TraceRequest],
+                   out: dict[str, list[dict[str, Any]]], *, model_dir: Path, block: int, max_tokens: int) -> None:
+    """Arm 6: a vLLM of its own with the contextkit connector (a fresh disk tier), behind a proxy with
+    ``--kv-connector contextkit``; every request opts in with the default reuse (``{}``): documents the
+    server has not seen are computed in context and compiled position-free after the answer, and later
+    requests load them re-rotated and repaired in vLLM's worker (docs/vllm_connector.md)."""
+    import tempfile
+
+    from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
+
+    work = Path(tempfile.mkdtemp(prefix="bench-trace-connector-", dir=ctx.config.cache_dir))
+    settings = ConnectorSettings(disk_dir=work / "disk", cache_dir=ctx.config.cache_dir)
+    server = VLLMServer(VLLMServerConfig(model_dir=model_dir, block_size=block, extra_args=tuple(vllm_args(settings)),
+                                         max_model_len=ctx.option("max_model_len", 8192, int),
+                                         log_file=_logs(ctx) / "bench-trace-vllm-connector.log")).start()
+    proxy = None
+    try:
+        model = served_model(server.url)
+        proxy = proxy_process(upstream=server.url, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+                              log_file=_logs(ctx) / "bench-trace-proxy-connector.log",
+                              args=["--block-size", str(block), "--allow-client-tenant", "--kv-connector", "contextkit"],
+                              startup_timeout_s=300).start()
+        out[CONNECTOR_ARM] = _replay(http, proxy.url + "/v1/chat/completions", requests, tick, "proxy + connector",
+                                     lambda req: _chat(req, model, max_tokens, reuse={}))
+    finally:
+        if proxy is not None:
+            proxy.stop(30)
+        server.stop()
+
+
 def _serve_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list[TraceRequest],
                 out: dict[str, list[dict[str, Any]]], *, max_tokens: int) -> None:
     """Arms 3 to 5 on ``contextkit serve``: a server that compiles nothing idle (unless ``no_idle_arm=0``),
@@ -154,7 +193,7 @@ def _serve_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: lis
         serve.stop(30)
 
 
-BASELINE = {"proxy + vllm (weaver)": "vllm direct (retrieval order)",
+BASELINE = {"proxy + vllm (weaver)": "vllm direct (retrieval order)", CONNECTOR_ARM: "vllm direct (retrieval order)",
             "serve, span reuse (default)": "serve, full prefill",
             "serve, no idle compile (--no-compile-idle)": "serve, full prefill"}
 
@@ -195,6 +234,10 @@ def _summary(rows: list[dict[str, Any]], requests: int) -> dict[str, Any]:
         "proxy_answer_agreement_f1": proxy_row.get("answer_agreement_f1"),
         "serve_exact_share": serve.get("exact_share"), "serve_reused_share": serve.get("reused_share"),
         "serve_no_idle_compile_ttft_ms_p50": by.get("serve, no idle compile (--no-compile-idle)", {}).get("ttft_ms_p50"),
+        "connector_ttft_ms_p50": by.get(CONNECTOR_ARM, {}).get("ttft_ms_p50"),
+        "connector_answer_agreement_f1": by.get(CONNECTOR_ARM, {}).get("answer_agreement_f1"),
+        "connector_ttft_vs_serve": (round(by[CONNECTOR_ARM]["ttft_ms_p50"] / serve["ttft_ms_p50"], 3)
+                                    if CONNECTOR_ARM in by else None),
     }
 
 
@@ -204,12 +247,14 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     requests = load_stream(ctx, ctx.option("k", 10, int))
     model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
-    tick(total=5 * len(requests))
+    tick(total=6 * len(requests))
     out: dict[str, list[dict[str, Any]]] = {}  # arm -> its results, in the order the arms ran
     http = httpx.Client(timeout=600)
     try:
         _vllm_arms(ctx, tick, http, requests, out, renderer=renderer, model_dir=model_dir, block=block,
                    max_tokens=max_tokens)
+        if ctx.option("connector_arm", 1, int):
+            _connector_arm(ctx, tick, http, requests, out, model_dir=model_dir, block=block, max_tokens=max_tokens)
         _serve_arms(ctx, tick, http, requests, out, max_tokens=max_tokens)
     finally:
         http.close()

@@ -21,7 +21,8 @@ def test_bench_trace_small_run(tmp_path, vllm_url, cli, trace_requests):
     result = json.loads(out.read_text())
     rows = {r["arm"]: r for r in result["rows"]}
     assert set(rows) == {"vllm direct (retrieval order)", "proxy + vllm (weaver)", "serve, span reuse (default)",
-                         "serve, no idle compile (--no-compile-idle)", "serve, full prefill"}
+                         "serve, no idle compile (--no-compile-idle)", "serve, full prefill",
+                         "proxy + vllm connector (recompute, default)"}
     assert all(r["requests"] == 4 and r["ttft_ms_p50"] > 0 for r in rows.values())
     prefix = rows["serve, no idle compile (--no-compile-idle)"]
     # serve orders a document set as it served it before, so the second request of each item reuses
@@ -39,3 +40,5 @@ def test_bench_trace_small_run(tmp_path, vllm_url, cli, trace_requests):
     assert s["requests"] == 4
     assert s["trace_ttft_vs_vllm_proxy"] == round(s["serve_ttft_ms_p50"] / s["proxy_ttft_ms_p50"], 3)
     assert 0 <= s["serve_answer_agreement_f1"] <= 1
+    # the connector arm: spans compiled after their first request, loaded and repaired in vLLM after
+    assert 0 <= s["connector_answer_agreement_f1"] <= 1 and s["connector_ttft_vs_serve"] > 0
