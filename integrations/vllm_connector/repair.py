@@ -51,18 +51,23 @@ class Repairer:
     def __init__(self, *, model_dir: Path | str, dtype: str):
         self.model_dir, self.dtype = Path(model_dir), dtype
         self._engine = None
+        self._refused: str | None = None  # why this model cannot be repaired, once found
         self._lock = threading.Lock()
 
     def engine(self):
-        """The engine, loaded on first use (a server that never repairs never pays for its weights)."""
+        """The engine, loaded once (``warm`` at the server's start); a model it refuses is refused again at
+        once, never loaded a second time."""
         with self._lock:
+            if self._refused is not None:
+                raise RepairUnsupported(self._refused)
             if self._engine is None:
                 from contextkit.engine.model import Engine  # the contract's one named exception (docstring)
 
                 engine = Engine.from_dir(self.model_dir, dtype=self.dtype)
                 if any(layer.sliding_window for layer in engine.spec.layers):
-                    raise RepairUnsupported("sliding-window attention: span KV is loaded without recompute "
-                                            "limits here, so the span region is computed by vLLM")
+                    self._refused = ("sliding-window attention is not repaired here: the span region is computed "
+                                     "by vLLM")
+                    raise RepairUnsupported(self._refused)
                 self._engine = engine
         return self._engine
 

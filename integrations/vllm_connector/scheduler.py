@@ -10,9 +10,8 @@ by the worker side (``worker.py``) from the ``ConnectorMeta`` built here.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
-
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from contextkit.core.errors import ConfigError
 from contextkit.core.repair import planned, sinks
@@ -133,7 +132,8 @@ class ConnectorScheduler:
                 st.saved_blocks = new.num_computed_tokens // self.block_size
             if st.load is not None:
                 start, end, pieces = st.load
-                meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids), self._repair_plan(st, end, pieces)))
+                meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids),
+                                         self._repair_plan(st, end, pieces)))
                 st.loaded_tokens += end - start
                 st.load = None
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)

@@ -108,6 +108,10 @@ def test_first_k_recomputes_only_the_sinks(smol_dir, prompt):
     assert changed.nonzero().flatten().tolist() == [0, 1, 2, a_len, a_len + 1, a_len + 2]
 
 
-def test_a_sliding_window_model_is_refused(gemma_dir):
+def test_a_sliding_window_model_is_refused_and_not_loaded_again(gemma_dir, monkeypatch):
+    repairer = Repairer(model_dir=gemma_dir, dtype="float32")
     with pytest.raises(RepairUnsupported, match="sliding-window"):
-        Repairer(model_dir=gemma_dir, dtype="float32").engine()
+        repairer.engine()
+    monkeypatch.setattr(repairer, "model_dir", gemma_dir / "gone")  # a second load would fail otherwise
+    with pytest.raises(RepairUnsupported, match="sliding-window"):
+        repairer.engine()
