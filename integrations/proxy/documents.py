@@ -154,7 +154,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
                         "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": text.encode()})
             return
-        if reuse is None:
+        if request.reuse is None or (connector == "contextkit" and not spans):  # an exact request (or "full")
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
         elif spans:
             ids = plan.ids
