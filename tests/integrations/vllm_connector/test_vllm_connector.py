@@ -523,6 +523,10 @@ def test_documents_reuse_spans_through_the_proxy_and_stay_request_only(pic_proxy
                      timeout=300).json()["contextkit"]["reuse"]
     assert rep["policy"] == "full" or (rep["recomputed_tokens"] > 0 and rep["reused_tokens"] > 0
                                         and rep["prefilled_tokens"] > 0), rep
+    # policy full: no span reuse (nothing loaded, nothing repaired), an exact request
+    full = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, {"policy": "full"}, "pic-tenant"),
+                      timeout=300).json()["contextkit"]
+    assert full["reuse"] == {"path": "connector", "policy": "full"}
     # what this path cannot run: a clear 422 (our InputError) naming what it takes
     for reuse in ({"policy": "query_attention", "attention_budget": 0.2}, {"policy": "none", "ratio": 0.2}):
         bad = httpx.post(url + "/v1/chat/completions", json=documents_body(shared_data, reuse, "pic-tenant"),
