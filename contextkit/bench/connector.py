@@ -26,8 +26,9 @@ same Redis). Rows, in the order they run:
   can be no higher than ``local_hit_speedup``, which a fast prefill (AMX) lowers.
 - ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
 - ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
-  (``integrations/proxy/span_compiler.py``), each span new to the store compiled alone right after (as the
-  proxy's compiler does), then A's prefix cache emptied.
+  (``integrations/proxy/span_compiler.py``): the connector saves each span the store lacked out of the
+  request that computed it (``saved_spans``); a span it did not save is compiled alone right after (as the
+  proxy's compiler does); then A's prefix cache emptied.
 - (the store then holds the compiled spans: ``span_saved_share``, what arrived within 120 s)
 - ``span reuse (pic)``: the requests again, spans loaded re-rotated from the store, the question computed
   (reuse without recompute); then the prefix cache emptied again and
@@ -262,10 +263,13 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
         text, top = _first(obj)
         m.per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
         ids = plan.ids
+        saved = {tuple(x) for x in ((obj.get("kv_transfer_params") or {}).get("contextkit") or {}).get("saved_spans") or ()}
         for s, e in spans_of(plan):
             span = tuple(ids[s:e])
             if span not in compiled:
                 compiled.add(span)
+                if (s, e) in saved:  # the connector saved it out of this request: no compile needed
+                    continue
                 _post(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
                             "kv_transfer_params": {"contextkit": {"mode": "span"}}})
         m.tick("span compile (first pass)")

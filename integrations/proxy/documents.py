@@ -156,11 +156,10 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
             return
         if request.reuse is None or (connector == "contextkit" and not spans):  # an exact request (or "full")
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
-        elif spans:
-            ids = plan.ids
-            ups.compiler.schedule(u.url, chat.model, salt, [ids[s:e] for s, e in spans_of(plan)],
-                                  tenant=plan.tenant)
         if chat.stream:
+            if spans:  # a stream carries no kv_transfer_params: compile every span this proxy has not
+                ups.compiler.schedule(u.url, chat.model, salt, [plan.ids[s:e] for s, e in spans_of(plan)],
+                                      tenant=plan.tenant)
             return await translate_stream(ups, u, resp, plan, receive, send, t, reuse)
         try:
             obj = json.loads(await resp.read())
@@ -244,15 +243,19 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
 
 def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,
                      params: dict | None, usage: dict | None = None) -> dict:
-    """What the connector says it loaded; spans it found missing are compiled again."""
+    """What the connector says it loaded and recomputed. Spans it saved out of this request (those the store
+    lacked, computed here in context) need no compile; the others this proxy has not compiled are
+    compiled after the answer, and those it found missing (evicted) compiled again."""
     got = (params or {}).get("contextkit") or {}
-    missing = [m for m in got.get("missing_spans") or () if isinstance(m, list) and len(m) == 2]
-    if missing:
-        ids = plan.ids
-        for s, e in missing:
-            ups.compiler.forget(u.url, salt, ids[s:e])
-        ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in missing], tenant=plan.tenant)
-    out = {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing)}
+    pairs = lambda key: {tuple(m) for m in got.get(key) or () if isinstance(m, list) and len(m) == 2}  # noqa: E731
+    missing, saved, ids = pairs("missing_spans"), pairs("saved_spans"), plan.ids
+    for s, e in saved:
+        ups.compiler.remember(u.url, salt, ids[s:e])
+    for s, e in missing - saved:
+        ups.compiler.forget(u.url, salt, ids[s:e])
+    ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in spans_of(plan) if (s, e) not in saved],
+                          tenant=plan.tenant)
+    out = {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing), "saved_spans": len(saved)}
     rec = got.get("recompute")
     if isinstance(rec, dict):  # what the connector resolved and recomputed, as serve reports it
         loaded, n = got.get("loaded_tokens") or 0, rec.get("recomputed_tokens") or 0

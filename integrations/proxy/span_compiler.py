@@ -13,11 +13,14 @@ Two namespaces keep approximate KV request-only:
 - the request's own ``cache_salt`` is the tenant's salt with the opt-in appended, so the blocks it
   leaves in vLLM's prefix cache (made from approximate KV) are hit only by requests with the same opt-in.
 
-Spans the proxy has not seen compiled on an upstream are compiled after the request, off its path: one
-request per span (its tokens alone, ``mode: span``), a few at a time from a bounded backlog (a span
-past its bounds is dropped, counted, and scheduled again by a later request), so the first request with
-a new document is a full prefill and the next ones reuse it. A span the connector reports missing
-(evicted, or the store was down) is compiled again.
+A span the store lacks is computed by vLLM in its request's prompt, and the connector saves it out of
+that request as span KV (``saved_spans`` in its answer): the first request with a new document is a full
+prefill and the next ones reuse that KV, which saw a real context. Spans the connector did not save and
+this proxy has not seen compiled on an upstream (a streamed answer carries no ``kv_transfer_params``) are
+compiled after the request, off its path: one request per span (its tokens alone, ``mode: span``), a few
+at a time from a bounded backlog (a span past its bounds is dropped, counted, and scheduled again by a
+later request). A span the connector reports missing (evicted, or the store was down) and did not save
+is compiled again.
 """
 
 from __future__ import annotations
@@ -186,6 +189,10 @@ class SpanCompiler:
 
     def forget(self, url: str, salt: str, ids) -> None:
         self._known.pop(self._key(url, salt, ids), None)
+
+    def remember(self, url: str, salt: str, ids) -> None:
+        """The span is stored on ``url`` already (the connector saved it out of a request): no compile."""
+        self._known[self._key(url, salt, ids)] = None
 
     def schedule(self, url: str, model: str | None, salt: str, spans: list[list[int]], *,
                  tenant: Tenant | None = None) -> None:

@@ -54,6 +54,7 @@ class RequestState:
     repair: RepairOptions | None = None  # pic with recompute: the setting resolved for this request
     report: dict = field(default_factory=dict)  # how it was resolved (policy, ratio, profile, band)
     recomputed_tokens: int = 0
+    context_saved: set = field(default_factory=set)  # pic: missing spans saved out of this request
 
 
 class Lookup:
@@ -84,6 +85,10 @@ class Lookup:
         if self._deadline is None:
             self._deadline = Deadline(self.timeout_s, clock=self.clock)
         return self._deadline
+
+    def has(self, key: ConnectorKey) -> bool:
+        """Whether the store holds ``key`` (within the step's deadline; unknown: False)."""
+        return bool(self.store.contains_many([key], deadline=self._step_deadline())[0])
 
     def block_keys(self, st: RequestState) -> list[ConnectorKey]:
         if st.keys is None:

@@ -46,13 +46,16 @@ WRITE_BATCH_BYTES = 8 << 20  # entries per store call at most: LMCache batches a
 
 @dataclass(frozen=True, slots=True)
 class SaveOp:
-    """Save request tokens ``[start, end)`` (ids ``ids``, in blocks ``block_ids``) under ``key``."""
+    """Save request tokens ``[start, end)`` (ids ``ids``, in blocks ``block_ids``) under ``key``, K re-rotated
+    by ``shift`` positions first (a span saved out of the request that computed it: ``-start``, so that it
+    is stored at positions 0.., as a span compiled alone is)."""
 
     key: ConnectorKey
     start: int
     end: int
     ids: tuple[int, ...]
     block_ids: tuple[int, ...]
+    shift: int = 0
 
 
 @dataclass(slots=True)
@@ -89,8 +92,11 @@ class SaveQueue:
         pacer: when writes may happen; None: at once (tests of the queue alone).
     """
 
-    def __init__(self, store, *, budget_bytes: int, counters: Counters, layout: str, pacer: Pacer | None = None):
+    def __init__(self, store, *, budget_bytes: int, counters: Counters, layout: str, pacer: Pacer | None = None,
+                 rope: list | None = None):
         self.store = store
+        self.rope = rope  # each layer's RoPE geometry: saves with a shift need it (None: they are dropped)
+        self._rotator = None
         self.budget_bytes = budget_bytes
         self.counters = counters
         self.layout = layout
@@ -205,6 +211,8 @@ class SaveQueue:
         for op, rows in zip(staged.ops, staged.rows):
             off = (op.start // bs) * bs
             k, v = paged.unstage(staged.tiles, rows, op.start - off, op.end - off)
+            if op.shift and not self._rotated(k, op.shift):
+                continue
             entry = make_entry(op.key, {"k": k, "v": v, "ids": torch.tensor(op.ids, dtype=torch.int64)}, self.layout)
             made.append(_Ready(op.start, next(self._seq), op.key, entry, entry.nbytes))
         with self._lock:
@@ -218,6 +226,20 @@ class SaveQueue:
             self._free.append(staged.buffer)
             self._trim_free(staged.buffer.nbytes)
             self._lock.notify_all()
+
+    def _rotated(self, k: torch.Tensor, shift: int) -> bool:
+        """Re-rotate ``k`` (layers, heads, n, head_size) by ``shift`` in place; False (counted as a dropped
+        save) when this model's RoPE geometry is unknown."""
+        if self.rope is None:
+            self.counters.add("dropped_saves")
+            return False
+        if self._rotator is None:
+            from contextkit.kernels.rerotate import Rerotator
+
+            self._rotator = Rerotator()
+        for li in range(k.shape[0]):
+            self._rotator(k[li], shift, self.rope[li], out=k[li])
+        return True
 
     def _trim_free(self, one: int) -> None:
         """Keep at most a quarter of the budget in free staging buffers (lock held)."""

@@ -170,8 +170,10 @@ class ConnectorScheduler:
         return RepairPlan(r.policy, count, sink, moved, tuple(st.ids[:probe_end]), r.probe_layers, r.check_layer)
 
     def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
-        """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), and for a
-        span compile the whole prompt once it is computed."""
+        """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), for a
+        span compile the whole prompt once it is computed, and for pic the spans the store lacked."""
+        if st.opts.mode == "pic" and st.saved_blocks >= 0:
+            self._plan_context_spans(st, done, meta)
         if st.opts.mode in ("pic", "off") or st.saved_blocks < 0:
             return
         bs, prompt = self.block_size, len(st.ids)
@@ -183,9 +185,24 @@ class ConnectorScheduler:
                                          tuple(st.block_ids)))
             st.saved_blocks = full
         if st.opts.mode == "span" and not st.span_saved and done >= prompt:
-            meta.saves.append(SaveOp(span_key(self.geometry, st.salt, st.ids), 0, prompt, tuple(st.ids),
-                                     tuple(st.block_ids)))
+            key = span_key(self.geometry, st.salt, st.ids)
+            # a span already stored (saved out of the request that computed it in context) is kept
+            if not self.lookup.has(key):
+                meta.saves.append(SaveOp(key, 0, prompt, tuple(st.ids), tuple(st.block_ids)))
             st.span_saved = True
+
+    def _plan_context_spans(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
+        """A pic request's spans the store lacked were computed by vLLM in this prompt: each is saved as span
+        KV (K re-rotated to positions 0..) once computed. No compile of it alone is then needed, and the
+        KV it stores saw a real context (the documents before it here), which a later request in another
+        order repairs from a far closer start than KV computed alone (docs/vllm_connector.md)."""
+        if st.lookup is None:
+            return
+        for s, e in st.lookup[3]:
+            if done >= e and (s, e) not in st.context_saved:
+                st.context_saved.add((s, e))
+                meta.saves.append(SaveOp(span_key(self.geometry, st.salt, st.ids[s:e]), s, e, tuple(st.ids[s:e]),
+                                         tuple(st.block_ids), shift=-s))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._requests.pop(request.request_id, None)
@@ -198,4 +215,6 @@ class ConnectorScheduler:
                 out["recompute"]["ratio"] = st.repair.ratio
         if st.lookup is not None and st.lookup[3]:
             out["missing_spans"] = [list(m) for m in st.lookup[3]]
+        if st.context_saved:
+            out["saved_spans"] = sorted(list(m) for m in st.context_saved)
         return False, {"contextkit": out}

@@ -77,7 +77,7 @@ class ConnectorWorker:
             raise ConfigError(f"KV cache heads/head size {self._paged.num_heads}/{self._paged.head_size} differ from "
                               f"the model's {self.geometry.num_kv_heads}/{self.geometry.head_size}")
         self._saves = SaveQueue(self.store, budget_bytes=self.settings.save_queue_bytes, counters=self.counters,
-                                layout=self.geometry.layout(), pacer=self.pacer)
+                                layout=self.geometry.layout(), pacer=self.pacer, rope=self.rope)
         self._saves.prewarm(layers=len(self._caches), paged=self._paged)
         # touch the load buffer for 2k tokens now, so that the first loads pay no page faults
         g = self.geometry

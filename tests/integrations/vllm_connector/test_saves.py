@@ -159,3 +159,32 @@ def test_the_pacer_writes_when_idle_and_a_share_of_the_time_when_busy():
 def test_the_pacer_refuses_nonsense(share, quiet):
     with pytest.raises(ValueError, match="busy_share"):
         Pacer(busy_share=share, quiet_s=quiet)
+
+
+def test_a_span_saved_out_of_its_request_is_stored_at_positions_from_zero(step):
+    """A save with a shift (a pic request's span the store lacked, saved out of the request that computed
+    it at positions 70..): K is stored re-rotated by -70 (the torch reference), V as it is; without the
+    model's RoPE geometry such a save is dropped and counted, never stored unrotated."""
+    from contextkit.kernels.rerotate import rerotate_reference
+    from contextkit.kernels.rope import RopeSpec
+
+    rope = RopeSpec(head_dim=64, base=10000.0)
+    tier = MemoryTier(1 << 30)
+    s, e = 70, 150  # not block-aligned on either side
+    span = SaveOp(ConnectorKey("ab" * 32, "salt.t", e - s), s, e, tuple(range(e - s)), (4, 1, 5, 0, 2, 3), shift=-s)
+    for geometry in ([rope] * LAYERS, None):
+        counters = Counters()
+        saves = SaveQueue(TieredStore([tier]), budget_bytes=64 * step.entry_bytes, counters=counters, layout="t",
+                          rope=geometry)
+        saves.submit([span], caches=step.caches, paged=step.paged)
+        saves.close()
+        if geometry is None:
+            assert counters.total["dropped_saves"] == 1 and counters.total["saved_entries"] == 0
+            assert not tier.contains(span.key)
+            continue
+        got = tier.get(span.key)
+        for li, (k, v) in enumerate(step.kv):
+            want = rerotate_reference(k[:, s:e].float(), -s, rope).to(torch.bfloat16)
+            assert (got.tensors["k"][li].float() - want.float()).abs().max() <= 0.02  # bf16 rounding
+            assert torch.equal(got.tensors["v"][li], v[:, s:e])
+        tier = MemoryTier(1 << 30)  # the dropped case must not find the first run's entry
