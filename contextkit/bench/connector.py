@@ -25,7 +25,8 @@ same Redis). Rows, in the order they run:
   restart minus this, the median) is what loading from the store adds, on any machine; ``restart_speedup``
   can be no higher than ``local_hit_speedup``, which a fast prefill (AMX) lowers.
 - ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
-- ``span compile (first pass)``: the requests opting in to span reuse as the proxy sends them
+- ``span compile (first pass)``: the requests, their documents in reverse order (so that no span's KV is
+  saved out of the exact prompt a later row measures), opting in to span reuse as the proxy sends them
   (``integrations/proxy/span_compiler.py``): the connector saves each span the store lacked out of the
   request that computed it (``saved_spans``); a span it did not save is compiled alone right after (as the
   proxy's compiler does); then A's prefix cache emptied.
@@ -191,6 +192,7 @@ class _Rows:
     prompts: list
     salt: str
     tick: Tick
+    first_pass: list = field(default_factory=list)  # the prompts with their documents reversed
     per: dict[str, list[tuple[float, str, dict, int]]] = field(
         default_factory=lambda: {r: [] for r in (*ROWS, SECOND_PLAIN, SECOND_SAVING)})
     reports: dict[str, list[dict]] = field(default_factory=dict)  # the connector's answer, per request
@@ -258,7 +260,9 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
     salt = m.salt
     pic, last = ReuseOptions(policy="none"), ReuseOptions(policy="none", recompute_last_span=True)
     compiled: set[tuple[int, ...]] = set()
-    for plan in m.prompts:  # first pass: as the proxy sends it, then its new spans compiled
+    # first pass: as the proxy sends it, then its new spans compiled; its documents in the opposite order,
+    # so that the span KV the connector saves out of it never saw the exact context the rows measure
+    for plan in m.first_pass:
         ms, obj = _post(url, _body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic)))
         text, top = _first(obj)
         m.per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
@@ -325,6 +329,8 @@ def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
              "logprob_delta_p50": round(median(deltas), 4) if deltas else None}
         if row == "span reuse (pic)":
             r["default"] = True
+        if row == "span compile (first pass)":  # other prompts (documents reversed): nothing to compare
+            r.update(top1_agreement=None, in_top5=None, logprob_delta_p50=None)
         out_rows.append(r)
     return out_rows
 
@@ -380,15 +386,17 @@ def _saving_vs_prefix(per: dict) -> dict:
     return {"saving_vs_prefix": round(sum(pairs) / len(pairs), 2), "saving_vs_prefix_pairs": pairs}
 
 
-def _plan_all(requests, model_dir: Path, block: int) -> list:
-    """Each request rendered by the planner in retrieval order, as the proxy renders it."""
+def _plan_all(requests, model_dir: Path, block: int, *, reverse: bool = False) -> list:
+    """Each request rendered by the planner in retrieval order, as the proxy renders it (``reverse``: its
+    documents in the opposite order)."""
     from contextkit.core.planner import ChatRequest, Planner
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
 
     planner = Planner(Tokenizer(model_dir), block_size=block)
+    docs = lambda req: req.documents[::-1] if reverse else req.documents  # noqa: E731
     return [planner.plan(ChatRequest((Message("user", req.question),),
-                                     tuple(Evidence(d.text, id=d.id, title=d.title) for d in req.documents),
+                                     tuple(Evidence(d.text, id=d.id, title=d.title) for d in docs(req)),
                                      ordering="retrieval", max_new_tokens=1))
             for req in requests]
 
@@ -415,7 +423,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 
     saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
     saving = {k: v for k, v in saving.items() if v is not None}
-    m, srv = _Rows(prompts, salt, tick), _Servers(model_dir, block, logs, saving=saving)
+    m, srv = (_Rows(prompts, salt, tick, _plan_all(requests, model_dir, block, reverse=True)),
+              _Servers(model_dir, block, logs, saving=saving))
     redis_url = ctx.option("redis", "")
     try:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)

@@ -39,6 +39,7 @@ class ConnectorScheduler:
                  pic_loads: bool, profile: CalibrationProfile | None = None):
         self.block_size = geometry.block_size
         self.profile = profile  # resolves policy="budget" of repaired requests (None: the built-in default)
+        self.context_spans = settings.context_spans
         self._warned = False
         self.geometry = geometry
         self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
@@ -172,7 +173,7 @@ class ConnectorScheduler:
     def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
         """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), for a
         span compile the whole prompt once it is computed, and for pic the spans the store lacked."""
-        if st.opts.mode == "pic" and st.saved_blocks >= 0:
+        if st.opts.mode == "pic" and st.saved_blocks >= 0 and self.context_spans:
             self._plan_context_spans(st, done, meta)
         if st.opts.mode in ("pic", "off") or st.saved_blocks < 0:
             return
