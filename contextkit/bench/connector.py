@@ -63,6 +63,7 @@ from typing import Any
 
 from contextkit.bench import connector_recompute as recompute
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
 from contextkit.core.errors import ConfigError, UpstreamError
 
@@ -430,9 +431,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
         span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt))
-        before = recompute.connector_counters(srv.a.url), recompute.tree_rss_mb(srv.a.process.proc.pid)
+        before = recompute.connector_counters(srv.a.url), tree_rss_mb(srv.a.process.proc.pid)
         _recompute_rows(m, srv.a.url)
-        after = recompute.connector_counters(srv.a.url), recompute.tree_rss_mb(srv.a.process.proc.pid)
+        after = recompute.connector_counters(srv.a.url), tree_rss_mb(srv.a.process.proc.pid)
         _second_pair(m, srv.a.url)
     finally:
         srv.stop()

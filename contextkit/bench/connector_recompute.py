@@ -88,33 +88,11 @@ def repair_cost(metrics_before: dict[str, float], metrics_after: dict[str, float
 
 def connector_counters(url: str) -> dict[str, float]:
     """The server's ``contextkit_connector_*`` counters (totals), by short name."""
-    import urllib.request
+    from contextkit.bench.stream_client import scrape_metrics
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.startswith("contextkit_connector_") and s.name.endswith("_total"):
-                name = s.name.removeprefix("contextkit_connector_").removesuffix("_total")
-                out[name] = out.get(name, 0.0) + s.value
-    return out
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children (vLLM's API server, engine core and worker), MB."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    procs = [proc, *proc.children(recursive=True)]
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            continue
-    return round(total / 2**20, 1)
+    return {name.removeprefix("contextkit_connector_").removesuffix("_total"): value
+            for name, value in scrape_metrics(url, timeout_s=30).items()
+            if name.startswith("contextkit_connector_") and name.endswith("_total")}
 
 
 def engine_weights_mb(model_dir, dtype: str = "bfloat16") -> float:

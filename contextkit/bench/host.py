@@ -15,6 +15,18 @@ def rss_kb(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss // 1024
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (vLLM's API server, engine core and worker), MiB."""
+    proc = psutil.Process(pid)
+    total = 0
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # a child that exited meanwhile
+            continue
+    return round(total / 2**20, 1)
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds the process has used."""
     t = psutil.Process(pid).cpu_times()
