@@ -29,7 +29,10 @@ from cachetools import LRUCache
 from contextkit.core.align import align
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
-from contextkit.core.prompt import DEFAULT_SYSTEM, MARK, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces, render_skill
+from contextkit.core.prompt import (
+    DEFAULT_SYSTEM, MARK, RELEVANCE_HINTS, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces,
+    render_relevance_hint, render_skill,
+)
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
 
@@ -86,6 +89,9 @@ class ChatRequest:
         documents_at: the user message the documents open: ``last`` (the question's) or ``first`` (a
             session's layout: its documents stay where they were and later turns follow them, so each
             turn's prompt starts with the previous one's documents).
+        relevance_hint: when the documents are served in another order than retrieval's, a line after
+            them (before the question, outside the cached prefix) that gives the retrieval order back:
+            ``titles`` (each document by its title), ``positions`` (by its place), ``none`` (no line).
     """
 
     messages: tuple[Message, ...]
@@ -98,6 +104,7 @@ class ChatRequest:
     max_new_tokens: int = 16
     default_system: str = DEFAULT_SYSTEM
     documents_at: DocumentsAt = "last"
+    relevance_hint: str = "none"
 
     def __post_init__(self) -> None:
         if not any(m.role == "user" for m in self.messages):
@@ -106,6 +113,9 @@ class ChatRequest:
             raise InputError(f"ordering must be one of {ORDERINGS}, got {self.ordering!r}", "contextkit")
         if self.documents_at not in DOCUMENTS_AT:
             raise InputError(f"documents_at must be one of {DOCUMENTS_AT}, got {self.documents_at!r}", "contextkit")
+        if self.relevance_hint not in RELEVANCE_HINTS:
+            raise InputError(f"relevance_hint must be one of {RELEVANCE_HINTS}, got {self.relevance_hint!r}",
+                             "contextkit")
         if len(self.documents) > MAX_DOCUMENTS:
             raise InputError(f"{len(self.documents)} documents in one request; at most {MAX_DOCUMENTS}", "documents")
         if len(self.skills) > MAX_SKILLS:
@@ -264,10 +274,10 @@ class Planner:
         tokenized as one string (what a framework sends vLLM), never has, and changed answers (bench
         pipelines: answer F1 -1.6 points against the same prompt sent as text, 7 of 40 answers changed).
         Cached in ``tenant``'s own cache."""
-        return self._cached(tenant, "blocks", _content_digest(doc), lambda: self._before_text(render_document(doc)))
+        return self._cached(tenant, "blocks", _content_digest(doc), lambda: self.text_tokens(render_document(doc)))
 
-    def _before_text(self, text: str) -> tuple[int, ...]:
-        """``text``'s tokens when a word follows it: ``text + probe`` tokenized, less the probe's own tokens
+    def text_tokens(self, text: str) -> tuple[int, ...]:
+        """``text``'s tokens as a block inside a prompt, where a word follows it: ``text + probe`` tokenized, less the probe's own tokens
         (plain ``text`` when the tokenizer merges the two, which no tokenizer here does)."""
         probe = self._probe
         ids = self.tokenizer.encode(text + PROBE)
@@ -333,6 +343,9 @@ class Planner:
         order = result.order if result is not None else tuple(range(len(docs)))
         head_pieces, middle_pieces, tail_pieces = self.pieces(request)
         head, middle = _ids(head_pieces), _ids(middle_pieces)
+        hint = render_relevance_hint(request.documents, order, request.relevance_hint) if docs else ""
+        if hint and tail_pieces:  # after the documents, before the question: the first piece of the tail
+            tail_pieces = (self.text_tokens(hint) + tail_pieces[0], *tail_pieces[1:])
         skills = sorted(request.skills, key=lambda s: (s.name, s.version))  # one canonical order
         # each skill, then its errata (computed in context: they must read the skill they correct)
         pre_items = [(b, s, i) for s in skills

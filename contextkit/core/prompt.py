@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from contextkit.core.errors import InputError
 from contextkit.core.types import Evidence, Message, Skill
 
 if TYPE_CHECKING:  # the HTTP client plans nothing: it need not install tokenizers
@@ -44,6 +45,38 @@ def render_document(doc: Evidence) -> str:
     """
     head = "Document:" + (f" {doc.title}" if doc.title else "")
     return f"{head}\n{doc.text.strip()}\n\n"
+
+
+RELEVANCE_HINTS = ("none", "titles", "positions")
+HINT_LIMIT = 16  # at most this many documents are named in a hint (the most relevant ones)
+
+
+def render_relevance_hint(docs: Sequence[Evidence], order: Sequence[int], style: str) -> str:
+    """One line that gives back the retrieval (relevance) order of documents served in ``order``.
+
+    Reordering documents for the prefix cache is exact KV but a different prompt; the line, placed after
+    the documents and before the question (outside the cached prefix), tells the model which ones the
+    retriever ranked first. ``docs`` are in retrieval order; ``order[j]`` is the retrieval rank of the
+    document served ``j``-th. Empty when nothing was reordered or ``style`` is "none"; else
+    ``relevance_line``.
+    """
+    if style not in RELEVANCE_HINTS:
+        raise InputError(f"relevance_hint must be one of {RELEVANCE_HINTS}, got {style!r}", "contextkit")
+    if style == "none" or tuple(order) == tuple(range(len(order))):
+        return ""
+    return relevance_line(docs, order, style)
+
+
+def relevance_line(docs: Sequence[Evidence], order: Sequence[int], style: str) -> str:
+    """The relevance line whatever the order: ``titles`` names each document by its title (by its place in
+    the prompt when it has none), ``positions`` by its place from 1; the first ``HINT_LIMIT`` by rank."""
+    place = {rank: j + 1 for j, rank in enumerate(order)}  # retrieval rank -> place in the prompt (from 1)
+    ranked = sorted(place)[:HINT_LIMIT]
+    if style == "positions":
+        return ("Documents by relevance, most relevant first (numbered from 1 as they appear above): "
+                + " > ".join(str(place[r]) for r in ranked) + "\n")
+    names = [" ".join((docs[r].title or "").split()) or f"document {place[r]}" for r in ranked]
+    return "Documents by relevance, most relevant first: " + " > ".join(names) + "\n"
 
 
 Part = tuple[tuple[int, ...], ...]  # a part of a rendered chat, as pieces of token ids

@@ -191,3 +191,26 @@ def test_token_caches_stay_bounded_in_all_and_per_tenant(smol_dir):
     assert sum(held) <= 64 << 10 and held[-1] > 0 and held[0] == 0  # the oldest tenant's caches went first
     with pytest.raises(ConfigError, match="tenant_cache_bytes"):
         Planner(Tokenizer(smol_dir), cache_bytes=1 << 10, tenant_cache_bytes=4 << 10)
+
+
+def test_relevance_hint_gives_back_the_retrieval_order_after_the_documents(planner):
+    """A reordered request gets one line after its documents and before the question (the query part,
+    outside what a prefix cache keeps) naming them most relevant first; served in retrieval order, or
+    with ``none``, the prompt is exactly the one without a hint; the documents' tokens never change."""
+    from contextkit.core.planner import FixedOrder
+
+    docs = (*DOCS, Evidence("Berlin is in Germany.", id="d3", title="Berlin"))
+    ask = lambda hint: ChatRequest.ask("Where is Paris?", docs, relevance_hint=hint)  # noqa: E731
+    plain = planner.plan(ask("none"), FixedOrder((2, 0, 1)))
+    tok = planner.tokenizer
+    for hint, line in (("titles", "most relevant first: Paris > document 3 > Berlin\n"),
+                       ("positions", "as they appear above): 2 > 3 > 1\n")):
+        plan = planner.plan(ask(hint), FixedOrder((2, 0, 1)))
+        assert [it.span.token_ids for it in plan.items[:-1]] == [it.span.token_ids for it in plain.items[:-1]]
+        query = tok.decode(plan.items[-1].span.token_ids)
+        assert line in query and query.index(line) < query.index("Question: Where is Paris?"), query
+        assert not plan.items[-1].reuse and len(plan.ids) > len(plain.ids)
+        in_order = planner.plan(ask(hint), FixedOrder((0, 1, 2)))
+        assert in_order.ids == planner.plan(ask("none"), FixedOrder((0, 1, 2))).ids
+    with pytest.raises(InputError, match="relevance_hint must be one of"):
+        ask("ranks")
