@@ -67,6 +67,7 @@ bench: venv
 	$(BIN)/contextkit bench spans --n 40 --set long_n=16 --json $(BENCH)/spans.json --plot $(BENCH)/spans.png
 	$(BIN)/contextkit bench store --n 20 --json $(BENCH)/store.json --plot $(BENCH)/store.png
 	$(BIN)/contextkit bench ordering --n 200 --write-trace $(BENCH)/ordering-trace.jsonl --json $(BENCH)/ordering.json --plot $(BENCH)/ordering.png
+	$(BIN)/contextkit bench reorder --n 40 --json $(BENCH)/reorder.json
 	$(BIN)/contextkit bench proxy --n 100 --trace $(BENCH)/ordering-trace.jsonl --set soak_s=300 --json $(BENCH)/proxy.json --plot $(BENCH)/proxy.png
 	$(BIN)/contextkit bench robustness --json $(BENCH)/robustness.json
 	$(BIN)/contextkit bench skills --json $(BENCH)/skills.json

@@ -34,6 +34,7 @@ BENCHES = {
     "spans": "contextkit.bench.spans",
     "rope": "contextkit.bench.rope",
     "ordering": "contextkit.bench.ordering",
+    "reorder": "contextkit.bench.reorder",
     "store": "contextkit.bench.store",
     "proxy": "contextkit.bench.proxy",
     "robustness": "contextkit.bench.robustness",

@@ -121,7 +121,7 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, store, proxy, robustness, skills, synthesis, agent, pipelines, connector, trace, skillcache, installs, fleet).")],
+    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, reorder, store, proxy, robustness, skills, synthesis, agent, pipelines, connector, trace, skillcache, installs, fleet).")],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
     n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
     seed: int = 0,
