@@ -101,12 +101,17 @@ class ContextKitConnector(KVConnectorBase_V1):
         # one side per role, as vLLM's own connectors: the other stays None
         self.connector_scheduler: ConnectorScheduler | None = None
         self.connector_worker: ConnectorWorker | None = None
+        refused = _repair_refused(str(vllm_config.device_config.device_type))
         if role == KVConnectorRole.SCHEDULER:
+            if refused:
+                log.warning("contextkit connector: %s", refused)
             self.connector_scheduler = ConnectorScheduler(settings=self.settings, geometry=self.geometry,
                                                           store=self.store, pic_loads=self.rope is not None,
-                                                          profile=_profile(self.model_dir, self.geometry.dtype))
+                                                          profile=_profile(self.model_dir, self.geometry.dtype),
+                                                          repair_refused=refused)
         else:
-            repairer = Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype) if self.rope else None
+            repairer = (Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype)
+                        if self.rope and refused is None else None)
             self.connector_worker = ConnectorWorker(settings=self.settings, geometry=self.geometry,
                                                     store=self.store, rope=self.rope, repairer=repairer)
             # the worker's saves and loads go through LMCache's pools: touched now (~0.1 s per GB), the
@@ -230,6 +235,21 @@ def _rope_specs(model_dir: Path):
         log.warning("contextkit connector: no RoPE geometry for %s (%s); position-independent loads are off",
                     model_dir, exc)
         return None
+
+
+def _repair_refused(device: str) -> str | None:
+    """Why a server computing on ``device`` (vLLM's device type) cannot repair span KV (None when it can).
+
+    The repair runs contextkit's built-in engine, which runs on CPU. On a server whose model runs on an
+    accelerator it would hold a second copy of the weights in host memory and recompute on the CPU, far
+    slower than the prefill it replaces: recompute requests are then served as a full prefill of their
+    span region (reported as policy "full" with this reason); ``policy: none`` still loads span KV.
+    """
+    if device.split(":")[0] == "cpu":
+        return None
+    return (f"the repair runs contextkit's built-in engine on CPU and this server computes on {device}: "
+            "requests asking for recompute get a full prefill of their span region (policy none still loads "
+            "span KV without recompute)")
 
 
 def _profile(model_dir: Path, dtype: str):

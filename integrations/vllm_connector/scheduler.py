@@ -36,9 +36,12 @@ class ConnectorScheduler:
     """The scheduler-side half of ``ContextKitConnector`` (module docstring)."""
 
     def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore,
-                 pic_loads: bool, profile: CalibrationProfile | None = None):
+                 pic_loads: bool, profile: CalibrationProfile | None = None, repair_refused: str | None = None):
         self.block_size = geometry.block_size
         self.profile = profile  # resolves policy="budget" of repaired requests (None: the built-in default)
+        # why this server's worker cannot repair (connector._repair_refused): recompute requests then load
+        # nothing (a full prefill of the span region), never unrepaired KV they did not ask for
+        self.repair_refused = repair_refused
         self.context_spans = settings.context_spans
         self._warned = False
         self.geometry = geometry
@@ -64,8 +67,12 @@ class ConnectorScheduler:
     def _resolve(self, st: RequestState) -> None:
         """The request's recompute setting: policy="budget" is the profile's cheapest setting within the
         budget for the prompt's length (or full prefill: then nothing is loaded), else, with no profile,
-        the built-in default (query_attention at the request's ratio), with a warning the first time."""
+        the built-in default (query_attention at the request's ratio), with a warning the first time. On a
+        server that cannot repair, full prefill of the span region, with the reason."""
         r = st.opts.recompute
+        if self.repair_refused is not None:
+            st.report = {"policy": "full", "requested": r.policy, "reason": self.repair_refused}
+            return
         if r.policy != "budget":
             st.repair, st.report = r, {"policy": r.policy}
             return
