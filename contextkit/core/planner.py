@@ -277,8 +277,9 @@ class Planner:
         return self._cached(tenant, "blocks", _content_digest(doc), lambda: self.text_tokens(render_document(doc)))
 
     def text_tokens(self, text: str) -> tuple[int, ...]:
-        """``text``'s tokens as a block inside a prompt, where a word follows it: ``text + probe`` tokenized, less the probe's own tokens
-        (plain ``text`` when the tokenizer merges the two, which no tokenizer here does)."""
+        """``text``'s tokens as a block inside a prompt, where a word follows it: ``text + probe`` tokenized,
+        less the probe's own tokens (plain ``text`` when the tokenizer merges the two, which no tokenizer
+        here does). Documents and the relevance line are tokenized this way."""
         probe = self._probe
         ids = self.tokenizer.encode(text + PROBE)
         if len(ids) > len(probe) and tuple(ids[-len(probe):]) == probe:
