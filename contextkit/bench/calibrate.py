@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from contextkit.bench.bands import band_key, choose_questions, parse_bands
-from contextkit.bench.data import SHARED_MULTIHOP, load_records, split
+from contextkit.bench.data import SHARED_MULTIHOP, load_records, shared_half, split
 from contextkit.bench.fidelity import compare, reference_answer
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.core.errors import ConfigError, InputError
@@ -102,7 +102,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     q = ctx.option("quantile", 0.9, float)
     if not 0 < q <= 1 or answer_tokens < 1:
         raise ConfigError("--set quantile must be in (0, 1] and answer_tokens >= 1")
-    part = ctx.option("split", "tune" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all")
+    part = ctx.option("split", shared_half(ctx.data, "tune"))
     dtype = ctx.config.dtype
     model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     tok = Tokenizer(model_dir)

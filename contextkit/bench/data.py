@@ -80,6 +80,12 @@ def sample(records: list[QARecord], n: int, seed: int) -> list[QARecord]:
 SPLITS = ("all", "tune", "heldout")
 
 
+def shared_half(data: Path | None, half: str) -> str:
+    """A bench's default split: ``half`` of the shared dev file when it reads that file (no ``--data``),
+    else "all" (a user's own file is not split)."""
+    return half if data is None and SHARED_MULTIHOP.is_file() else "all"
+
+
 def split(records: Sequence[QARecord], part: str) -> list[QARecord]:
     """One half of ``records`` by a hash of each id: defaults are chosen on "tune", reported on "heldout".
 

@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from contextkit.bench.data import SHARED_MULTIHOP, load_records, split
+from contextkit.bench.data import load_records, shared_half, split
 from contextkit.bench.fidelity import MethodKV, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.metrics import answer_em, answer_f1
@@ -67,7 +67,7 @@ def trace(ctx: BenchContext, k: int) -> tuple[list[TraceRequest], str]:
 
     part = ctx.option("split", "auto")
     if part == "auto":
-        part = "heldout" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all"
+        part = shared_half(ctx.data, "heldout")
     records = split(load_records(ctx.data), part)
     if not records:
         raise InputError(f"--set split={part} leaves no records of the data; use split=all")
@@ -116,21 +116,19 @@ def _prefill(engine: Engine, tok: Tokenizer, ids: list[int], decode: int) -> tup
 def measure(req: TraceRequest, order: tuple[int, ...], planner: Planner, engines: dict[str, Engine],
             tok: Tokenizer, *, dtype: str, decode: int) -> dict[str, dict[str, Any]]:
     """Every arm of one reordered request: fidelity to retrieval order, gold delta, answer quality."""
-    kvs, texts, lengths = {}, {}, {}
-    for name, (served, hint) in ARMS.items():
-        plan = planner.plan(chat(req, hint, decode), FixedOrder(order if served else tuple(range(len(order)))))
-        kvs[name], texts[name] = _prefill(engines[dtype], tok, plan.ids, decode)
-        lengths[name] = len(plan.ids)
-    base = planner.plan(chat(req, "none", decode), FixedOrder(tuple(range(len(order)))))
-    kvs[FLOOR], texts[FLOOR] = _prefill(engines["float32"], tok, base.ids, decode)
-    control = with_line(planner, req, base.ids, decode)
-    kvs[CONTROL], texts[CONTROL] = _prefill(engines[dtype], tok, control, decode)
-    lengths[CONTROL] = len(control)
+    ids = {name: planner.plan(chat(req, hint, decode),
+                              FixedOrder(order if served else tuple(range(len(order))))).ids
+           for name, (served, hint) in ARMS.items()}
+    ids[FLOOR] = ids[REFERENCE]  # the same prompt on the float32 engine
+    ids[CONTROL] = with_line(planner, req, ids[REFERENCE], decode)
+    kvs, texts = {}, {}
+    for name, prompt in ids.items():
+        kvs[name], texts[name] = _prefill(engines["float32" if name == FLOOR else dtype], tok, prompt, decode)
     whole = score(kvs, same_dtype=REFERENCE, fp32=FLOOR, gold=gold_ids(tok.encode, req.answers, decode))
     ref = kvs[REFERENCE].token_ids[:CHANGED_TOKENS]
     return {name: {**whole[name], "changed": float(kv.token_ids[:CHANGED_TOKENS] != ref),
                    "f1": answer_f1(texts[name], req.answers), "em": answer_em(texts[name], req.answers),
-                   "prompt_tokens": lengths.get(name, len(base.ids))}
+                   "prompt_tokens": len(ids[name])}
             for name, kv in kvs.items()}
 
 

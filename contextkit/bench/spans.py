@@ -47,9 +47,9 @@ from typing import Any
 
 from contextkit.bench.calibrate import BUDGETS
 from contextkit.bench.data import (
-    SHARED_MULTIHOP,
     QARecord,
     load_records,
+    shared_half,
     split,
 )
 from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
@@ -193,7 +193,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     bands = _bands(ctx)
     part = ctx.option("split", "auto")
     if part == "auto":
-        part = "heldout" if ctx.data is None and SHARED_MULTIHOP.is_file() else "all"
+        part = shared_half(ctx.data, "heldout")
     long_n = ctx.option("long_n", max(1, ctx.count(40) // 2), int)
     dtype = ctx.config.dtype
 
