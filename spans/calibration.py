@@ -8,10 +8,18 @@ at request time (``choose``): for a prompt of this many context tokens and a bud
 token, which is the cheapest setting whose answer KL stays within b on the profile's quantile of the
 calibration prompts of the nearest length band?
 
-The fit is conservative, not a curve: settings are ordered by cost (the recompute ratio), and a setting
-qualifies only if it and every costlier setting meet the budget, so one lucky point below a bad one is
-never chosen. When none qualifies the request is a full prefill (exact). A profile made for other weights
-or another dtype is refused (``CalibrationError``), never used.
+The fit is conservative, not a curve, in three ways:
+- a setting's answer KL is bounded, not estimated: of its n calibration prompts, the ceil((n+1)q)-th
+  smallest (``upper_bound``: the split-conformal quantile; a new prompt drawn like the calibration ones
+  stays at or below it with probability at least q). The plain q-quantile of 16 prompts held on 50-75% of
+  held-out prompts instead of 90% (docs/benchmarks.md, "Fidelity budget and calibration"); with too few
+  prompts (n < q / (1 - q), 9 at q = 0.9) nothing can be bounded and the band runs full prefill;
+- settings are ordered by cost (the recompute ratio), and a setting qualifies only if it and every
+  costlier setting meet the budget, so one lucky point below a bad one is never chosen;
+- the costliest settings that measured slower than full prefill (``Point.speedup`` < 1, it and every
+  costlier one) are never chosen: full prefill is exact and faster.
+When none qualifies the request is a full prefill (exact). A profile made for other weights or another
+dtype is refused (``CalibrationError``), never used.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from pathlib import Path
 
 from contextkit.core.errors import CalibrationError
 from contextkit.core.plan import ReuseOptions
-from contextkit.core.stats import percentile
 
 FORMAT = "contextkit-calibration-v1"
 log = logging.getLogger(__name__)
@@ -35,11 +42,23 @@ def profile_path(model_dir: Path | str, dtype: str) -> Path:
     return Path(model_dir) / f"contextkit-calibration-{dtype}.json"
 
 
-def quantile(values: list[float] | tuple[float, ...], q: float) -> float:
-    """The q-quantile (q in [0, 1]) by the project's one percentile (``core.stats``, numpy's interpolation)."""
+def minimum_prompts(q: float) -> int:
+    """The fewest calibration prompts that can bound a q-quantile at all (ceil((n+1)q) <= n, so n >= q/(1-q))."""
+    if not 0 < q < 1:
+        raise CalibrationError(f"a calibration quantile must be in (0, 1), not {q}; run `contextkit calibrate` again")
+    return max(1, math.ceil(round(q / (1 - q), 9)))
+
+
+def upper_bound(values: list[float] | tuple[float, ...], q: float) -> float:
+    """The ceil((n+1)q)-th smallest of n values (q in (0, 1]): a new value exchangeable with these is at or
+    below it with probability at least q (split conformal). ``inf`` when n < ``minimum_prompts(q)``.
+
+    Not the interpolated q-quantile on purpose: that is an estimate, exceeded on about 1 - q of new
+    prompts plus its sampling error, which at 16 prompts is most of the tail."""
     if not values:
         raise CalibrationError("a calibration point with no prompts")
-    return percentile(values, 100 * q)
+    k = math.ceil(round((len(values) + 1) * q, 9))  # round: (n+1)*0.9 in floats is 15.300000000000001
+    return math.inf if k > len(values) else sorted(values)[k - 1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +84,14 @@ class Choice:
 
     options: ReuseOptions  # the setting to run (policy "full" when none is within the budget)
     band: str
-    predicted_kl: float  # the chosen setting's answer KL at the profile's quantile (0 for full prefill)
+    predicted_kl: float  # the chosen setting's answer KL bound at the profile's quantile (0 for full prefill)
 
 
 @dataclass(frozen=True, slots=True)
 class CalibrationProfile:
     model_digest: str
     dtype: str
-    quantile: float  # the share of calibration prompts a setting must keep within the budget
+    quantile: float  # the share of prompts like the calibration ones a setting must keep within the budget
     answer_tokens: int
     data: str  # what it was calibrated on
     bands: tuple[Band, ...]
@@ -90,15 +109,19 @@ class CalibrationProfile:
         return min(self.bands, key=lambda b: abs(math.log(n / max(b.context_tokens, 1))))
 
     def choose(self, budget: float, context_tokens: int) -> Choice:
-        """The cheapest setting whose answer KL at ``quantile`` is within ``budget``, it and every
-        costlier one; full prefill when none is."""
+        """The cheapest setting whose answer KL bound (``upper_bound`` at ``quantile``) is within
+        ``budget``, it and every costlier one, and that is not in the tail of settings slower than full
+        prefill; full prefill when none is."""
         band = self.band_for(context_tokens)
-        kl = [quantile(p.answer_kl, self.quantile) for p in band.points]
+        kl = [upper_bound(p.answer_kl, self.quantile) for p in band.points]
+        faster = len(band.points)  # points[faster:] measured slower than full prefill, each of them
+        while faster and band.points[faster - 1].speedup < 1.0:
+            faster -= 1
         chosen = None
         worst_above = 0.0
         for i in range(len(band.points) - 1, -1, -1):  # costliest first: the envelope of what follows
-            worst_above = max(worst_above, kl[i])
-            if worst_above <= budget:
+            worst_above = max(worst_above, kl[i])  # slow points still count here: they are measurements
+            if worst_above <= budget and i < faster:
                 chosen = i
         if chosen is None:
             return Choice(ReuseOptions(policy="full"), band.name, 0.0)
@@ -134,6 +157,11 @@ class CalibrationProfile:
         except OSError as exc:
             raise CalibrationError(f"calibration profile {path} cannot be read: {exc.strerror}") from None
         profile = cls.from_json(text, str(path))
+        least = minimum_prompts(profile.quantile)
+        if few := [b.name for b in profile.bands if min(len(p.answer_kl) for p in b.points) < least]:
+            log.warning("calibration profile %s has fewer than %d prompts in band(s) %s: no setting can be bounded "
+                        "at quantile %s there, so those requests run full prefill; calibrate with --n 24 or more",
+                        path, least, ", ".join(few), profile.quantile)
         if profile.model_digest != model_digest:
             raise CalibrationError(
                 f"calibration profile {path} was made for other weights (digest {profile.model_digest[:12]}, "

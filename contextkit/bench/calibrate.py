@@ -2,15 +2,18 @@
 and write the profile that resolves ``ReuseOptions(policy="budget")`` (``contextkit.spans.calibration``).
 
 On the tune half of ``--data`` (the shared dev file by default; ``--set split=`` to change), per band
-(``--set bands=1.5k,3k,4k``) ``--n`` questions (default 8) rendered to that band, each question's passages
-compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its greedy
-answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
+(``--set bands=1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's
+passages compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its
+greedy answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
 (``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks and probe depth)
 the assembled KV's answer KL and teacher-forced agreement over that answer (``bench.fidelity``), and its
-TTFT. The profile keeps the per-prompt numbers; a budget is later resolved at ``--set quantile=0.9`` of
-them. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
+TTFT. The profile keeps the per-prompt numbers; a budget is later held to their
+``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th smallest of n, so more
+prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and are refused. Written
+beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
-Rows: one per band and ratio (answer KL p50/p90, tf_agreement, speedup vs full prefill in the same run);
+Rows: one per band and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget is held to;
+tf_agreement; speedup vs full prefill in the same run);
 summary: per band, the ratio each budget in ``BUDGETS`` (also ``bench spans``' budget rows) would choose.
 """
 
@@ -34,7 +37,7 @@ from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
-from contextkit.spans.calibration import Band, CalibrationProfile, Point, profile_path
+from contextkit.spans.calibration import Band, CalibrationProfile, Point, minimum_prompts, profile_path, upper_bound
 
 RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
@@ -100,8 +103,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     ratios = _ratios(ctx.option("ratios", None))
     answer_tokens = ctx.option("answer_tokens", 32, int)
     q = ctx.option("quantile", 0.9, float)
-    if not 0 < q <= 1 or answer_tokens < 1:
-        raise ConfigError("--set quantile must be in (0, 1] and answer_tokens >= 1")
+    if not 0 < q < 1 or answer_tokens < 1:
+        raise ConfigError("--set quantile must be in (0, 1) and answer_tokens >= 1")
+    n = ctx.count(24)
+    if n < minimum_prompts(q):
+        raise ConfigError(f"--n {n}: at quantile {q} a band needs at least {minimum_prompts(q)} prompts to bound "
+                          f"anything (the profile would choose full prefill everywhere); give --n 24 or more, or "
+                          f"a lower --set quantile=")
     part = ctx.option("split", shared_half(ctx.data, "tune"))
     dtype = ctx.config.dtype
     model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
@@ -110,10 +118,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     cache = SpanCache(engine, tokenizer_fingerprint=tok.fingerprint)
     planner = Planner(tok, context_limit=engine.spec.max_positions)
     records = split(load_records(ctx.data), part)
-    n = ctx.count(8)
     work = {b: choose_questions(planner, records, b, decode=answer_tokens, count=n, seed=ctx.seed) for b in bands}
-    if empty := [b for b, c in work.items() if not c]:
-        raise InputError(f"no question of the data renders to the band(s) {empty}; choose others with --set bands=")
+    if few := [f"{b} ({len(c)})" for b, c in work.items() if len(c) < minimum_prompts(q)]:
+        raise InputError(f"too few questions of the data render to the band(s) {', '.join(few)} to bound a "
+                         f"{q} quantile (at least {minimum_prompts(q)} each); give more data or choose other "
+                         f"--set bands=")
     tick(total=sum(len(c) for c in work.values()))
     fitted = tuple(_band(b, c, cache, tok, ratios, answer_tokens, tick) for b, c in work.items())
     profile = CalibrationProfile(
@@ -131,6 +140,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
 def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
     return [{"band": b.name, "context_tokens": b.context_tokens, "ratio": p.ratio,
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
+             "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares
              "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup}
             for b in profile.bands for p in b.points]
 

@@ -21,7 +21,7 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     profile_file, table = tmp_path / "profile.json", tmp_path / "calibrate.json"
     proc = cli("calibrate", "--n", "1", "--dtype", "float32", "--out", str(profile_file), "--json", str(table),
                "--set", "bands=1.5k", "--set", "ratios=0,0.3", "--set", "answer_tokens=4", "--set", "split=all",
-               timeout=900)
+               "--set", "quantile=0.5", timeout=900)  # one prompt bounds a median (a 90% quantile needs 9)
     assert proc.returncode == 0, proc.stderr
     assert "profile written to" in proc.stderr
     result = json.loads(table.read_text())
@@ -48,10 +48,20 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
         docs = [Evidence(b, id=f"p{i}") for i, b in enumerate(passage_text.split("\n\n")[:3]) if b.strip()]
         gen = kit.generate("Who was born first?", docs, reuse=ReuseOptions(fidelity_budget=1.0))
         assert gen.reuse.profile == profile.id and gen.reuse.band == "1.5k" and gen.reuse.fidelity_budget == 1.0
-        # a budget every calibrated setting meets: the cheapest (reuse with first-k sinks only)
-        assert gen.reuse.policy == "query_attention" and gen.reuse.ratio == 0.0
+        # a budget every calibrated setting meets: the cheapest (reuse with first-k sinks only) unless the
+        # calibration measured it slower than full prefill (then full prefill, exact and faster)
+        chosen = profile.choose(1.0, 1500).options
+        assert gen.reuse.policy == chosen.policy
+        if chosen.policy != "full":
+            assert gen.reuse.ratio == chosen.ratio == 0.0
     finally:
         kit.close()
     with pytest.raises(CalibrationError, match="other weights"):
         ContextKit(dataclasses.replace(ContextKitConfig(model=str(gemma_dir), dtype="float32",
                                                         cache_dir=tmp_path / "cache"), calibration=profile_file))
+
+
+def test_calibrate_refuses_too_few_prompts_to_bound_its_quantile(tmp_path, cli, one_line_error):
+    one_line_error(cli("calibrate", "--n", "4", "--out", str(tmp_path / "p.json"), timeout=300),
+                   "at least 9 prompts", "--n 24")
+    assert not (tmp_path / "p.json").exists()

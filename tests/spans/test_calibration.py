@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import pytest
 
 from contextkit.core.errors import CalibrationError, ConfigError, InputError
 from contextkit.core.plan import DEFAULT_FIDELITY_BUDGET, ReuseOptions
-from contextkit.spans.calibration import Band, CalibrationProfile, Point, find_profile, profile_path, quantile
+from contextkit.spans.calibration import (Band, CalibrationProfile, Point, find_profile, minimum_prompts,
+                                         profile_path, upper_bound)
 from contextkit.spans.assemble import SpanCache
 
 DIGEST = "ab" * 32
 
 
-def _point(ratio: float, kls: list[float]) -> Point:
-    return Point(ratio, tuple(kls), tuple(1.0 - k for k in kls), speedup=1.0 / (0.2 + ratio))
+N = 19  # prompts per hand-made point: at quantile 0.9 the bound is the 18th smallest, the second largest
+
+
+def _point(ratio: float, typical: float, worst: tuple[float, ...] = (), speedup: float | None = None) -> Point:
+    """N prompts: ``worst`` as given, the rest at ``typical``."""
+    kls = (typical,) * (N - len(worst)) + worst
+    return Point(ratio, kls, tuple(1.0 - k for k in kls), speedup=1.0 / (0.2 + ratio) if speedup is None else speedup)
 
 
 def _profile(bands: tuple[Band, ...], q: float = 0.9) -> CalibrationProfile:
@@ -25,31 +32,36 @@ def _profile(bands: tuple[Band, ...], q: float = 0.9) -> CalibrationProfile:
 
 
 SHORT = Band("1.5k", 1500, (
-    _point(0.0, [0.30, 0.40, 0.50]),
-    _point(0.1, [0.05, 0.08, 0.12]),
-    _point(0.3, [0.01, 0.02, 0.04]),
-    _point(0.5, [0.005, 0.01, 0.02]),
+    _point(0.0, 0.40),
+    _point(0.1, 0.05, worst=(0.12, 0.12)),  # two prompts in the tail: bounded by 0.12
+    _point(0.3, 0.01, worst=(0.04, 0.5)),  # one outlier of 19 is within the margin: bounded by 0.04
+    _point(0.5, 0.005, worst=(0.02,)),
 ))
 LONG = Band("4k", 4000, (
-    _point(0.0, [0.2, 0.2, 0.2]),
-    _point(0.1, [0.01, 0.01, 0.01]),  # lucky: below the budget while a costlier point is above it
-    _point(0.3, [0.09, 0.09, 0.09]),
-    _point(0.5, [0.01, 0.01, 0.01]),
+    _point(0.0, 0.2),
+    _point(0.1, 0.01),  # lucky: below the budget while a costlier point is above it
+    _point(0.3, 0.09),
+    _point(0.5, 0.01),
 ))
 
 
-def test_quantile_interpolates_like_numpy():
-    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
-    assert quantile([5.0], 0.9) == 5.0
+def test_the_bound_is_the_conformal_order_statistic():
+    assert upper_bound(tuple(range(1, 20)), 0.9) == 18  # ceil(20 * 0.9) = 18th smallest of 19
+    assert upper_bound(tuple(range(1, 17)), 0.9) == 16  # of 16: the largest
+    assert upper_bound((3.0, 1.0, 2.0), 0.5) == 2.0
+    assert upper_bound(tuple(range(1, 9)), 0.9) == math.inf  # 8 prompts cannot bound a 90% quantile
+    assert minimum_prompts(0.9) == 9 and minimum_prompts(0.5) == 1 and minimum_prompts(0.95) == 19
+    for bad in (0.0, 1.0):
+        with pytest.raises(CalibrationError, match=r"\(0, 1\)"):
+            minimum_prompts(bad)
 
 
 def test_the_cheapest_setting_within_the_budget_for_the_nearest_band():
     p = _profile((SHORT, LONG))
     c = p.choose(0.05, 1400)
-    # p90 of the r=0.3 point is 0.036 (within 0.05), r=0.1's is 0.112 (not)
+    # r=0.3 is bounded by 0.04 (its 0.5 outlier is the one prompt in 19 the margin allows), r=0.1 by 0.12
     assert c.band == "1.5k" and c.options.policy == "query_attention" and c.options.ratio == 0.3
-    assert c.options.max_recompute is None and c.predicted_kl == pytest.approx(0.036)
+    assert c.options.max_recompute is None and c.predicted_kl == pytest.approx(0.04)
     assert p.choose(0.2, 1400).options.ratio == 0.1
     assert p.choose(1.0, 1400).options.ratio == 0.0  # everything fits: reuse with the sinks only
     assert p.choose(0.001, 1400).options.policy == "full"  # nothing fits: exact
@@ -60,6 +72,31 @@ def test_a_lucky_point_below_a_bad_one_is_never_chosen():
     c = _profile((SHORT, LONG)).choose(0.05, 4000)
     assert c.band == "4k" and c.options.ratio == 0.5  # not r=0.1, though its own KL is within the budget
     assert _profile((SHORT, LONG)).choose(0.1, 4000).options.ratio == 0.1
+
+
+def test_settings_slower_than_full_prefill_are_never_chosen():
+    band = Band("1.5k", 1500, (
+        _point(0.0, 0.3, speedup=6.0),
+        _point(0.2, 0.06, speedup=0.9),  # slower than full prefill, but a faster costlier point follows
+        _point(0.5, 0.03, speedup=1.2),
+        _point(0.7, 0.01, speedup=0.95),  # the slow tail: full prefill is exact and faster
+    ))
+    p = _profile((band,))
+    assert p.choose(0.02, 1500).options.policy == "full"
+    assert p.choose(0.05, 1500).options.ratio == 0.5
+    assert p.choose(0.1, 1500).options.ratio == 0.2  # not in the tail: one slow measurement is not a trend
+
+
+def test_too_few_prompts_bound_nothing_and_the_profile_says_so(tmp_path, caplog):
+    few = Band("1.5k", 1500, (Point(0.0, (0.01,) * 8, (1.0,) * 8, 5.0),))
+    p = _profile((few,))
+    assert p.choose(1.0, 1500).options.policy == "full"  # 8 prompts cannot bound a 90% quantile
+    assert _profile((few,), q=0.5).choose(1.0, 1500).options.ratio == 0.0
+    path = profile_path(tmp_path, "float32")
+    path.write_text(p.to_json())
+    with caplog.at_level(logging.WARNING, logger="contextkit.spans.calibration"):
+        CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
+    assert any("fewer than 9 prompts" in m and "--n 24" in m for m in caplog.messages)
 
 
 def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_path):
@@ -124,7 +161,7 @@ def test_the_assembler_resolves_the_budget_and_reports_which_profile_chose(assem
     assert r1.fidelity_budget == DEFAULT_FIDELITY_BUDGET
 
     n = plan.num_tokens
-    band = Band("here", n, (_point(0.0, [0.5, 0.5]), _point(0.2, [0.03, 0.03]), _point(0.6, [0.02, 0.02])))
+    band = Band("here", n, (_point(0.0, 0.5), _point(0.2, 0.03), _point(0.6, 0.02)))
     profile = dataclasses.replace(_profile((band,)), model_digest=engine.fingerprint.digest)
     cal = SpanCache(engine, store=plain.store, tokenizer_fingerprint=tok.fingerprint, profile=profile)
     r = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.05))).report
