@@ -15,7 +15,12 @@ framework's retriever (``EvidenceRetriever``).
   ``with``: the contextkit adapter through the proxy, the passages sent as documents (the proxy orders
   them for vLLM's prefix cache).
 - KV path (the built-in engine in this process, LangChain's chat model on ``contextkit.connect()``):
-  ``without``: full prefill (``reuse=False``); ``with``: span reuse at the default policy.
+  ``without``: full prefill (``reuse=False``); ``with``: span reuse at the default policy. Its fidelity over
+  the whole answer (``bench.fidelity``: ``tf_agreement``, ``answer_kl_p50``/``p90``, ``gold_logprob_delta``
+  on the ``with`` row; ``--set answer_tokens=32``) is measured outside the timed runs, in a tenant of its
+  own that sees the trace as the ``with`` pipeline does (the same requests in the same order, the Weaver's
+  order recorded and the new spans compiled after each), so it scores what that pipeline served
+  (``fidelity_prompt_mismatches``: requests whose scored prompt is not the served one's length; 0).
 - ``sdk session (proxy)``: the trace's sessions as SDK sessions (documents the session holds are not
   sent again; the conversation grows each turn), for the de-duplication the issue asks about.
 
@@ -29,7 +34,8 @@ adapter call minus the transport's own time for it (LangChain's or LlamaIndex's 
 handling included).
 
 Summary: ``langchain_ttft_reduction``, ``llamaindex_ttft_reduction`` (1 - with / without median TTFT,
-vLLM path), ``kv_path_ttft_reduction``, ``answer_f1_delta`` (with minus without, points, vLLM path, both
+vLLM path), ``kv_path_ttft_reduction``, ``kv_path_tf_agreement`` (and ``_answer_kl_p50``/``_p90``,
+``_gold_logprob_delta``), ``answer_f1_delta`` (with minus without, points, vLLM path, both
 frameworks), ``answer_agreement_f1``, ``adapter_overhead_ms_p50``, and the session rows' numbers.
 """
 
@@ -45,6 +51,8 @@ from contextkit.bench.metrics import answer_f1, token_f1
 from contextkit.bench.ordering import load_stream
 from contextkit.bench.pipeline_clients import Clients, run_one
 from contextkit.core.errors import ConfigError, PromptTooLongError
+from contextkit.core.generation import SamplingParams
+from contextkit.core.plan import ReuseOptions
 from contextkit.core.types import Evidence
 
 PIPELINES = ("langchain without", "langchain with", "langchain with (retrieval order)", "llamaindex without",
@@ -79,6 +87,31 @@ def _record(per: dict[str, dict[str, list]], got: dict[str, dict], req) -> None:
             m.setdefault("cached", []).append(ck["cached_tokens"])
 
 
+def _kv_fidelity(kit, req, tenant: str, answer_tokens: int) -> dict[str, float | None]:
+    """The KV path's fidelity on ``req``: the kit's default reuse against full prefill of the same plan,
+    over full prefill's greedy answer, in ``tenant`` (the shadow of the ``kv with`` pipeline's)."""
+    from contextkit.bench.fidelity import MethodKV, gold_ids, score
+    from contextkit.engine.generate import generate
+
+    params = SamplingParams(max_new_tokens=answer_tokens)
+    docs = [Evidence(d.text, id=d.id, title=d.title) for d in req.documents]
+    plan = kit.plan(kit.request(req.question, docs, params=params, reuse=ReuseOptions(), tenant=tenant))
+    kvs = {}
+    for name, opts in (("full", ReuseOptions(policy="full")), ("reuse", plan.options)):  # full first: it keeps nothing
+        asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=answer_tokens + 1)
+        answer, stopped = (), False
+        if name == "full":
+            length = asm.cache.length
+            gen = generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
+            asm.cache.truncate(length)
+            answer, stopped = tuple(gen.token_ids), gen.finish_reason == "stop"
+        kvs[name] = MethodKV(kit.engine, asm.cache, asm.logits, answer, stopped)
+    kit.weaver.record(plan.served, plan.tenant)  # as KitStream.run does for the pipeline's request
+    kit.spans.compile_pending()  # as its compile_after does
+    scores = score(kvs, same_dtype="full", fp32=None, gold=gold_ids(kit.tokenize, req.answers, answer_tokens))
+    return {**scores["reuse"], "prompt_tokens": plan.num_tokens}
+
+
 def _session_turn(sdk, sessions: dict[str, object], sess: dict[str, list], req, max_tokens: int, run_id: str) -> None:
     """The request as the next turn of its trace session, an SDK session through the proxy."""
     docs = [Evidence(d.text, id=d.id, title=d.title) for d in req.documents]
@@ -111,6 +144,7 @@ def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str,
     from contextkit.sdk import connect
 
     max_tokens, sessions_on = ctx.option("max_tokens", 16, int), bool(ctx.option("sessions", 1, int))
+    answer_tokens = ctx.option("answer_tokens", 32, int)
     run_id = uuid.uuid4().hex[:8]
     salt = {p: f"bench-{run_id}-{i}" for i, p in enumerate(PIPELINES)}
     clients = Clients.build(upstream, proxy, served_model(upstream), connect(kit=kit), salt, max_tokens)
@@ -125,6 +159,11 @@ def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str,
                 tick(f"{name} r{i}")
                 got[name] = run_one(clients, name, req)
             _record(per, got, req)
+            tick(f"kv fidelity r{i}")
+            f = _kv_fidelity(kit, req, f"{salt['kv with (span reuse)']}-fidelity", answer_tokens)
+            served = got["kv with (span reuse)"]["meta"]["contextkit"]["prompt_tokens"]
+            f["same_prompt"] = f.pop("prompt_tokens") == served  # the shadow scored the prompt that was served
+            per["kv with (span reuse)"].setdefault("fidelity", []).append(f)
             if sessions_on:  # the trace's sessions as SDK sessions through the proxy
                 tick(f"session r{i}")
                 _session_turn(sdk, sessions, sess, req, max_tokens, run_id)
@@ -153,7 +192,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     server = proxy_proc = kit = None
     per: dict[str, dict[str, list]] = {p: {} for p in PIPELINES}
     sess: dict[str, list] = {}
-    tick(total=len(requests) * (len(PIPELINES) + sessions_on) + 2)
+    if ctx.option("answer_tokens", 32, int) < 1:
+        raise ConfigError("--set answer_tokens must be at least 1")
+    tick(total=len(requests) * (len(PIPELINES) + sessions_on + 1) + 2)
     try:
         if not upstream:
             tick("starting vLLM")
@@ -179,7 +220,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     if sess:
         rows.append(_session_row(sess))
         summary.update(_session_summary(sess, rows[-1]))
-    config = {"k": k, "max_tokens": max_tokens, "block_size": block, "requests": len(requests),
+    config = {"k": k, "max_tokens": max_tokens, "answer_tokens": ctx.option("answer_tokens", 32, int),
+              "block_size": block, "requests": len(requests),
               "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),
               "sessions": sessions_on}
     return BenchResult("pipelines", config, rows, summary)
@@ -199,9 +241,20 @@ def _rows(per: dict[str, dict[str, list]]) -> list[dict]:
             row["framework_overhead_ms_p50"] = round(median(m["overhead"]), 3)
         if m.get("adapter"):
             row["adapter_code_ms_p50"] = round(median(m["adapter"]), 4)
+        if m.get("fidelity"):
+            row.update(_fidelity_columns(m["fidelity"]))
         row["default"] = name in ("langchain with", "llamaindex with", "kv with (span reuse)")
         rows.append(row)
     return rows
+
+
+def _fidelity_columns(f: list[dict[str, float | None]]) -> dict[str, float | None]:
+    kl = [x["answer_kl"] for x in f]
+    gold = [x["gold_logprob_delta"] for x in f if x["gold_logprob_delta"] is not None]
+    return {"fidelity_prompt_mismatches": sum(not x["same_prompt"] for x in f),
+            "tf_agreement": round(sum(x["tf_agreement"] for x in f) / len(f), 3),
+            "answer_kl_p50": round(median(kl), 4), "answer_kl_p90": round(percentile(kl, 90), 4),
+            "gold_logprob_delta": round(sum(gold) / len(gold), 4) if gold else None}
 
 
 def _summary(per: dict[str, dict[str, list]], by: dict[str, dict], seed: int, requests: int) -> dict:
@@ -228,6 +281,9 @@ def _summary(per: dict[str, dict[str, list]], by: dict[str, dict], seed: int, re
         "answer_agreement_f1": round((by["langchain with"]["answer_agreement_f1"]
                                       + by["llamaindex with"]["answer_agreement_f1"]) / 2, 3),
         "kv_path_answer_agreement_f1": by["kv with (span reuse)"]["answer_agreement_f1"],
+        **{f"kv_path_{k}": by["kv with (span reuse)"].get(k)
+           for k in ("tf_agreement", "answer_kl_p50", "answer_kl_p90", "gold_logprob_delta",
+                     "fidelity_prompt_mismatches")},
         "adapter_overhead_ms_p50": round(median(overhead), 4) if overhead else None,
         "framework_overhead_ms_p50": round(median(framework), 3) if framework else None,
         "requests": requests,
