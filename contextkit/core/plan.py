@@ -27,8 +27,9 @@ from contextkit.core.types import Doc, Span
 
 Policy = Literal["budget", "none", "kv_deviation", "query_attention", "first_k", "full"]
 POLICIES: tuple[str, ...] = ("budget", "none", "kv_deviation", "query_attention", "first_k", "full")
-# The answer KL (nats per answer token, p90 over calibration prompts) ``policy="budget"`` allows when the
-# request names none. Chosen on the tune half of the dev file (docs/benchmarks.md, "Fidelity budget").
+# The answer KL (nats per answer token, bounded for 90% of prompts by the calibration profile:
+# ``spans.calibration.upper_bound``) ``policy="budget"`` allows when the request names none. Chosen on the
+# tune half of the dev file (docs/benchmarks.md, "Fidelity budget").
 DEFAULT_FIDELITY_BUDGET = 0.1
 DEFAULT_RATIO, DEFAULT_MAX_RECOMPUTE = 0.3, 512  # query_attention's; what policy="budget" runs with no profile
 
