@@ -11,7 +11,7 @@ calibration prompts of the nearest length band?
 The fit is conservative, not a curve, in three ways:
 - a setting's answer KL is bounded, not estimated: of its n calibration prompts, the ceil((n+1)q)-th
   smallest (``upper_bound``: the split-conformal quantile; a new prompt drawn like the calibration ones
-  stays at or below it with probability at least q). The plain q-quantile of 16 prompts held on 50-75% of
+  stays at or below it with probability at least q). The plain q-quantile of 16 prompts held on 50-81% of
   held-out prompts instead of 90% (docs/benchmarks.md, "Fidelity budget and calibration"); with too few
   prompts (n < q / (1 - q), 9 at q = 0.9) nothing can be bounded and the band runs full prefill;
 - settings are ordered by cost (the recompute ratio), and a setting qualifies only if it and every
