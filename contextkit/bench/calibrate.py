@@ -105,9 +105,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     q = ctx.option("quantile", 0.9, float)
     if not 0 < q < 1 or answer_tokens < 1:
         raise ConfigError("--set quantile must be in (0, 1) and answer_tokens >= 1")
-    n = ctx.count(24)
-    if n < minimum_prompts(q):
-        raise ConfigError(f"--n {n}: at quantile {q} a band needs at least {minimum_prompts(q)} prompts to bound "
+    n, least = ctx.count(24), minimum_prompts(q)
+    if n < least:
+        raise ConfigError(f"--n {n}: at quantile {q} a band needs at least {least} prompts to bound "
                           f"anything (the profile would choose full prefill everywhere); give --n 24 or more, or "
                           f"a lower --set quantile=")
     part = ctx.option("split", shared_half(ctx.data, "tune"))
@@ -119,9 +119,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     planner = Planner(tok, context_limit=engine.spec.max_positions)
     records = split(load_records(ctx.data), part)
     work = {b: choose_questions(planner, records, b, decode=answer_tokens, count=n, seed=ctx.seed) for b in bands}
-    if few := [f"{b} ({len(c)})" for b, c in work.items() if len(c) < minimum_prompts(q)]:
+    if few := [f"{b} ({len(c)})" for b, c in work.items() if len(c) < least]:
         raise InputError(f"too few questions of the data render to the band(s) {', '.join(few)} to bound a "
-                         f"{q} quantile (at least {minimum_prompts(q)} each); give more data or choose other "
+                         f"{q} quantile (at least {least} each); give more data or choose other "
                          f"--set bands=")
     tick(total=sum(len(c) for c in work.values()))
     fitted = tuple(_band(b, c, cache, tok, ratios, answer_tokens, tick) for b, c in work.items())

@@ -138,13 +138,13 @@ def _session_turn(sdk, sessions: dict[str, object], sess: dict[str, list], req, 
     sess.setdefault("turn", []).append(len(s.steps))
 
 
-def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str, kit, per, sess) -> None:
+def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str, kit, per, sess,
+             answer_tokens: int) -> None:
     """Every request through every pipeline (rotating order), then as a session turn."""
     from contextkit.integrations.launchers.vllm_server import served_model
     from contextkit.sdk import connect
 
     max_tokens, sessions_on = ctx.option("max_tokens", 16, int), bool(ctx.option("sessions", 1, int))
-    answer_tokens = ctx.option("answer_tokens", 32, int)
     run_id = uuid.uuid4().hex[:8]
     salt = {p: f"bench-{run_id}-{i}" for i, p in enumerate(PIPELINES)}
     clients = Clients.build(upstream, proxy, served_model(upstream), connect(kit=kit), salt, max_tokens)
@@ -192,7 +192,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     server = proxy_proc = kit = None
     per: dict[str, dict[str, list]] = {p: {} for p in PIPELINES}
     sess: dict[str, list] = {}
-    if ctx.option("answer_tokens", 32, int) < 1:
+    answer_tokens = ctx.option("answer_tokens", 32, int)  # the KV path's fidelity reference answer
+    if answer_tokens < 1:
         raise ConfigError("--set answer_tokens must be at least 1")
     tick(total=len(requests) * (len(PIPELINES) + sessions_on + 1) + 2)
     try:
@@ -207,7 +208,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         ).start()
         tick("servers up")
         kit = ContextKit(ctx.config)
-        _measure(ctx, tick, requests, upstream, proxy_proc.url, kit, per, sess)
+        _measure(ctx, tick, requests, upstream, proxy_proc.url, kit, per, sess, answer_tokens)
     finally:
         if kit is not None:
             kit.close()
@@ -220,7 +221,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     if sess:
         rows.append(_session_row(sess))
         summary.update(_session_summary(sess, rows[-1]))
-    config = {"k": k, "max_tokens": max_tokens, "answer_tokens": ctx.option("answer_tokens", 32, int),
+    config = {"k": k, "max_tokens": max_tokens, "answer_tokens": answer_tokens,
               "block_size": block, "requests": len(requests),
               "upstream": ctx.option("upstream", "") or "started by the bench", "trace": ctx.option("trace", None),
               "sessions": sessions_on}
