@@ -65,6 +65,7 @@ from contextkit.bench import connector_recompute as recompute
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
+from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
 from contextkit.core.errors import ConfigError, UpstreamError
 
 ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
@@ -107,7 +108,7 @@ def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, *, prompt
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
     spec = load_spec(model_dir)
-    geom = KVGeometry(model_fingerprint(model_dir), "bfloat16", block, spec.num_layers, spec.num_kv_heads,
+    geom = KVGeometry(model_fingerprint(model_dir), resolve_dtype("auto"), block, spec.num_layers, spec.num_kv_heads,
                       spec.head_dim)
     keys = {k.digest: k for p in prompts for k in block_keys(geom, salt, p.ids, (p.num_tokens - 1) // block)}
     keys.update((k.digest, k) for k in (span_key(geom, salt, list(ids)) for ids in spans))
@@ -375,7 +376,7 @@ def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir
     out["recompute_resolved"] = {k: first.get(k) for k in ("policy", "ratio", "profile", "band")}
     out.update(recompute.repair_cost(before[0], after[0]))
     out["repair_rss_mb"] = round(after[1] - before[1], 1)  # the repairs' working memory, in server A
-    out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir)  # loaded at A's start
+    out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir, resolve_dtype("auto"))  # loaded at A's start
     return out
 
 

@@ -95,7 +95,7 @@ def connector_counters(url: str) -> dict[str, float]:
             if name.startswith("contextkit_connector_") and name.endswith("_total")}
 
 
-def engine_weights_mb(model_dir, dtype: str = "bfloat16") -> float:
+def engine_weights_mb(model_dir, dtype: str) -> float:
     """Resident memory the connector's repair engine adds (its weights, float32 head included), measured by
     loading the same engine in this process: what server A loaded at its start, before any row ran."""
     import gc

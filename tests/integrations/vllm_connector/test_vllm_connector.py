@@ -351,7 +351,8 @@ def kv(smol_dir, config, tmp_path_factory):
     a.launch()
     b.launch()
     spec = load_spec(smol_dir)
-    geom = KVGeometry(model_fingerprint(smol_dir), "bfloat16", BS, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    geom = KVGeometry(model_fingerprint(smol_dir), a.config.resolved_dtype, BS, spec.num_layers, spec.num_kv_heads,
+                      spec.head_dim)
     mac = derive(deployment_secret(config.cache_dir), "kv-mac")
     remote = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=mac))
     kv = type("KV", (), dict(a=a, b=b, geom=geom, remote=remote, root=root, server=server, a_cfg=a_cfg,
@@ -397,7 +398,7 @@ def test_second_server_loads_what_the_first_computed_and_tenants_stay_apart(kv, 
     assert warm["kv_transfer_params"]["contextkit"]["loaded_tokens"] == full * BS
     _wait(lambda: metric(kv.b.url, "vllm:external_prefix_cache_hits") - hits0 == full * BS, 120,
           lambda: f"B's external hits {metric(kv.b.url, 'vllm:external_prefix_cache_hits')}, before {hits0}")
-    # the loaded KV gives the same next-token distribution as A computing it (one engine build, bf16)
+    # the loaded KV gives the same next-token distribution as A computing it (one engine build, one dtype)
     lp_cold, lp_warm = top_logprob(cold), top_logprob(warm)
     best = max(lp_cold, key=lp_cold.get)
     assert best in lp_warm and abs(lp_warm[best] - lp_cold[best]) < 0.1, (lp_cold, lp_warm)
