@@ -261,5 +261,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         http.close()
     rows = _rows(out, requests)
     config = {"max_tokens": max_tokens, "block_size": block, "trace": ctx.option("trace", None) or "generated",
-              "serve_dtype": ctx.config.dtype, "vllm_dtype": "the upstream's" if ctx.option("upstream", "") else resolve_dtype("auto"), "sequential": True, "streaming": True}
+              "serve_dtype": ctx.config.dtype,
+              "vllm_dtype": "the upstream's" if ctx.option("upstream", "") else resolve_dtype("auto"),
+              "sequential": True, "streaming": True}
     return BenchResult("trace", config, rows, _summary(rows, len(requests)))
