@@ -14,8 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16).
 
-    Without either, oneDNN emulates bf16 and a bf16 prefill is no faster than fp32 (Linux only: elsewhere
-    False, and "auto" picks float32).
+    Without either, bf16 is emulated and far slower than fp32 (an AVX2-only EPYC: ~100x on a matrix
+    product; docs/benchmarks.md). Linux only: elsewhere False, and "auto" picks float32.
     """
     try:
         flags = cpuinfo.read_text()
