@@ -26,7 +26,7 @@ from typing import Any
 
 from contextkit.bench.bands import band_key, choose_questions, parse_bands
 from contextkit.bench.data import SHARED_MULTIHOP, load_records, shared_half, split
-from contextkit.bench.fidelity import compare, reference_answer
+from contextkit.bench.fidelity import answered, compare, reference_answer
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
@@ -34,7 +34,6 @@ from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.planner import Planner
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import Band, CalibrationProfile, Point, minimum_prompts, profile_path, upper_bound
@@ -65,11 +64,8 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, ratios: tuple
     full = cache.assemble(dataclasses.replace(plan, options=ReuseOptions(policy="full")),
                           extra_capacity=answer_tokens + 1)
     full_ms = (time.perf_counter() - t0) * 1e3
-    length = full.cache.length
-    gen = generate(engine, tok, plan.ids, SamplingParams(max_new_tokens=answer_tokens), cache=full.cache,
-                   first_logits=full.logits)
-    full.cache.truncate(length)
-    ref = reference_answer(engine, full.cache, full.logits, gen.token_ids, stopped=gen.finish_reason == "stop")
+    kv, _ = answered(engine, tok, plan.ids, full.cache, full.logits, SamplingParams(max_new_tokens=answer_tokens))
+    ref = reference_answer(engine, kv.cache, kv.first_logits, kv.token_ids, stopped=kv.stopped)
     base = ReuseOptions().fallback()
     out = {}
     for r in ratios:

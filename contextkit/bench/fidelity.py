@@ -27,7 +27,9 @@ import torch
 
 from contextkit.core.engine import KVEngine
 from contextkit.core.errors import InputError
+from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.kvcache import KVCache
+from contextkit.engine.generate import Detokenizer, generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,17 @@ class MethodKV:
     first_logits: torch.Tensor  # (1, vocab): predicts the first answer token
     token_ids: tuple[int, ...]  # its greedy answer
     stopped: bool  # the answer ended on a stop token (not on the length limit)
+
+
+def answered(engine: KVEngine, tokenizer: Detokenizer, prompt_ids: Sequence[int], cache: KVCache,
+             first_logits: torch.Tensor, params: SamplingParams) -> tuple[MethodKV, Generation]:
+    """A method's greedy answer from the KV it assembled (the prompt in ``cache``, ``first_logits``
+    predicting the first answer token), with the cache truncated back to the prompt: the ``MethodKV`` to
+    score once every method has run, and the generation (its text, for the answer-quality metrics)."""
+    length = cache.length
+    gen = generate(engine, tokenizer, prompt_ids, params, cache=cache, first_logits=first_logits)
+    cache.truncate(length)
+    return MethodKV(engine, cache, first_logits, tuple(gen.token_ids), gen.finish_reason == "stop"), gen
 
 
 def gold_ids(encode: Callable[[str], list[int]], answers: Sequence[str], limit: int) -> list[int] | None:

@@ -90,8 +90,7 @@ def _record(per: dict[str, dict[str, list]], got: dict[str, dict], req) -> None:
 def _kv_fidelity(kit, req, tenant: str, answer_tokens: int) -> dict[str, float | None]:
     """The KV path's fidelity on ``req``: the kit's default reuse against full prefill of the same plan,
     over full prefill's greedy answer, in ``tenant`` (the shadow of the ``kv with`` pipeline's)."""
-    from contextkit.bench.fidelity import MethodKV, gold_ids, score
-    from contextkit.engine.generate import generate
+    from contextkit.bench.fidelity import MethodKV, answered, gold_ids, score
 
     params = SamplingParams(max_new_tokens=answer_tokens)
     docs = [Evidence(d.text, id=d.id, title=d.title) for d in req.documents]
@@ -99,13 +98,10 @@ def _kv_fidelity(kit, req, tenant: str, answer_tokens: int) -> dict[str, float |
     kvs = {}
     for name, opts in (("full", ReuseOptions(policy="full")), ("reuse", plan.options)):  # full first: it keeps nothing
         asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=answer_tokens + 1)
-        answer, stopped = (), False
-        if name == "full":
-            length = asm.cache.length
-            gen = generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-            asm.cache.truncate(length)
-            answer, stopped = tuple(gen.token_ids), gen.finish_reason == "stop"
-        kvs[name] = MethodKV(kit.engine, asm.cache, asm.logits, answer, stopped)
+        if name == "full":  # the reference's answer; the method is scored over it, not over its own
+            kvs[name], _ = answered(kit.engine, kit.tokenizer, plan.ids, asm.cache, asm.logits, params)
+        else:
+            kvs[name] = MethodKV(kit.engine, asm.cache, asm.logits, (), False)
     kit.weaver.record(plan.served, plan.tenant)  # as KitStream.run does for the pipeline's request
     kit.spans.compile_pending()  # as its compile_after does
     scores = score(kvs, same_dtype="full", fp32=None, gold=gold_ids(kit.tokenize, req.answers, answer_tokens))

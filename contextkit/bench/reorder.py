@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from contextkit.bench.data import load_records, shared_half, split
-from contextkit.bench.fidelity import MethodKV, gold_ids, score
+from contextkit.bench.fidelity import MethodKV, answered, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.metrics import answer_em, answer_f1
 from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace
@@ -43,7 +43,6 @@ from contextkit.core.planner import ChatRequest, FixedOrder, Planner
 from contextkit.core.prompt import relevance_line
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
-from contextkit.engine.generate import generate as generate_answer
 from contextkit.engine.model import Engine
 from contextkit.ordering.weaver import Weaver
 
@@ -108,9 +107,8 @@ def with_line(planner: Planner, req: TraceRequest, ids: list[int], decode: int) 
 def _prefill(engine: Engine, tok: Tokenizer, ids: list[int], decode: int) -> tuple[MethodKV, str]:
     cache = engine.new_cache(len(ids) + decode + 1)
     first = engine.forward(cache, ids, logits="last")
-    gen = generate_answer(engine, tok, ids, SamplingParams(max_new_tokens=decode), cache=cache, first_logits=first)
-    cache.truncate(len(ids))
-    return MethodKV(engine, cache, first, gen.token_ids, gen.finish_reason == "stop"), gen.text
+    kv, gen = answered(engine, tok, ids, cache, first, SamplingParams(max_new_tokens=decode))
+    return kv, gen.text
 
 
 def measure(req: TraceRequest, order: tuple[int, ...], planner: Planner, engines: dict[str, Engine],

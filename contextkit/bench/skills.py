@@ -43,7 +43,7 @@ from pathlib import Path
 
 from contextkit.bench.errata import run_errata
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
-from contextkit.bench.fidelity import MethodKV, score
+from contextkit.bench.fidelity import answered, score
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -160,10 +160,7 @@ def _task(kit, qi: int, skills: tuple[Skill, ...], task: str, table: dict, *, de
         t0 = time.perf_counter()
         asm = kit.spans.assemble(dataclasses.replace(plan, options=opts), extra_capacity=decode + 1)
         ttft = (time.perf_counter() - t0) * 1e3
-        prompt_len = asm.cache.length
-        gen = _decode(kit, plan, asm, params)
-        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing (``_record``)
-        kv = MethodKV(kit.engine, asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        kv, gen = answered(kit.engine, kit.tokenizer, plan.ids, asm.cache, asm.logits, params)  # scored in _record
         out[name] = (asm.logits[0], gen.text, ttft, asm.report, kv)
     return plans, out
 
@@ -271,8 +268,3 @@ def _unanchored(plan: RequestPlan) -> RequestPlan:
     """The plan with its skills not anchored: spliced from their position-free KV wherever they are."""
     return dataclasses.replace(plan, items=tuple(dataclasses.replace(it, anchor=False) for it in plan.items))
 
-
-def _decode(kit, plan: RequestPlan, asm, params: SamplingParams):
-    from contextkit.engine.generate import generate
-
-    return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)

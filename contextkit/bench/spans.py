@@ -54,7 +54,7 @@ from contextkit.bench.data import (
 )
 from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
-from contextkit.bench.fidelity import MethodKV, gold_ids, score
+from contextkit.bench.fidelity import answered, gold_ids, score
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
 from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
 from contextkit.core.errors import InputError
@@ -63,7 +63,6 @@ from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.planner import Planner
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import find_profile
@@ -164,10 +163,7 @@ def _question(qi: int, band: str, plan: RequestPlan, table: dict[str, Method], e
         t0 = time.perf_counter()
         asm = caches[m.dtype].assemble(dataclasses.replace(plan, options=m.options), extra_capacity=decode + 1)
         ttft = (time.perf_counter() - t0) * 1e3
-        prompt_len = asm.cache.length
-        gen = generate(engines[m.dtype], tok, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
-        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing once every method has run
-        kv = MethodKV(engines[m.dtype], asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        kv, gen = answered(engines[m.dtype], tok, plan.ids, asm.cache, asm.logits, params)  # scored in _measure
         out[name] = (asm.logits[0].float(), gen.token_ids, gen.text, ttft, asm.report, kv)
     return compile_ms, out
 

@@ -26,7 +26,7 @@ import time
 
 from contextkit.bench.data import load_records, sample, split
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
-from contextkit.bench.fidelity import MethodKV, gold_ids, score
+from contextkit.bench.fidelity import answered, gold_ids, score
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -93,10 +93,7 @@ def _synthesize(kit, f, head, tail, labels, table: dict[str, ReuseOptions], *, q
         else:
             asm, _, plan = join(f, head, tail, labels, table[name], answer_tokens + 1, transcripts)
         ttft = (time.perf_counter() - t0) * 1e3
-        prompt_len = asm.cache.length
-        gen = _decode(kit, plan, asm, params)
-        asm.cache.truncate(prompt_len)  # kept, prompt only, for teacher forcing (``_record``)
-        kv = MethodKV(kit.engine, asm.cache, asm.logits, gen.token_ids, gen.finish_reason == "stop")
+        kv, gen = answered(kit.engine, kit.tokenizer, plan.ids, asm.cache, asm.logits, params)  # scored in _record
         out[name] = (asm.logits[0], gen.text, ttft, asm.report, kv)
     return out
 
@@ -200,8 +197,3 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
               "read": reads, "split": part}
     return BenchResult("synthesis", config, rows, summary)
 
-
-def _decode(kit, plan, asm, params: SamplingParams):
-    from contextkit.engine.generate import generate
-
-    return generate(kit.engine, kit.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
