@@ -301,6 +301,7 @@ class SpanCache:
         return ReuseReport(
             policy=a.plan.options.policy,
             ratio=a.plan.options.ratio,
+            probe_layers=a.plan.options.probe_layers if a.plan.options.policy == "query_attention" else None,
             context_tokens=context_tokens,
             reused_tokens=reused_total - recompute.numel(),
             rerotated_tokens=a.rerotated,

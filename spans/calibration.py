@@ -1,11 +1,11 @@
 """A model's calibration profile: what each recompute setting did to answers, per prompt-length band.
 
 ``contextkit calibrate`` (``contextkit.bench.calibrate``) runs the tune half of a QA file through the
-span cache at several query_attention ratios and, per prompt, measures the answer KL over the whole
+span cache at several query_attention ratios, each with one or more probe depths, and, per prompt, measures the answer KL over the whole
 teacher-forced answer against full prefill in the same dtype (``contextkit.bench.fidelity``). The profile
 keeps those per-prompt numbers, keyed by the model's weights digest and dtype, and answers one question
 at request time (``choose``): for a prompt of this many context tokens and a budget of b nats per answer
-token, which is the cheapest setting whose answer KL stays within b on the profile's quantile of the
+token, which is the fastest setting whose answer KL stays within b on the profile's quantile of the
 calibration prompts of the nearest length band?
 
 The fit is conservative, not a curve, in three ways:
@@ -14,10 +14,13 @@ The fit is conservative, not a curve, in three ways:
   stays at or below it with probability at least q). The plain q-quantile of 16 prompts held on 50-81% of
   held-out prompts instead of 90% (docs/benchmarks.md, "Fidelity budget and calibration"); with too few
   prompts (n < q / (1 - q), 9 at q = 0.9) nothing can be bounded and the band runs full prefill;
-- settings are ordered by cost (the recompute ratio), and a setting qualifies only if it and every
-  costlier setting meet the budget, so one lucky point below a bad one is never chosen;
-- the costliest settings that measured slower than full prefill (``Point.speedup`` < 1, it and every
-  costlier one) are never chosen: full prefill is exact and faster.
+- within one probe depth settings are ordered by cost (the recompute ratio), and a setting qualifies
+  only if it and every costlier setting of that depth meet the budget, so one lucky point below a bad
+  one is never chosen;
+- of the qualifying settings, of every depth, the one measured fastest (``Point.speedup``, median TTFT
+  against full prefill on the same prompts) is chosen: a deeper probe costs more per request but may
+  reach the budget at a lower ratio, and only the measurement says which is faster; a setting measured
+  slower than full prefill is never chosen, since full prefill is exact and faster.
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
 dtype is refused (``CalibrationError``), never used.
 """
@@ -68,14 +71,15 @@ class Point:
     ratio: float  # query_attention's recompute ratio (uncapped); 0: reuse with first-k sinks only
     answer_kl: tuple[float, ...]  # per prompt: mean KL per answer token against same-dtype full prefill
     tf_agreement: tuple[float, ...]  # per prompt: teacher-forced agreement with it
-    speedup: float  # median TTFT of same-dtype full prefill over this setting's (informational)
+    speedup: float  # median TTFT of same-dtype full prefill over this setting's
+    probe_layers: int | None = None  # the probe's depth (0: all layers); None: the profile's ``probe_layers``
 
 
 @dataclass(frozen=True, slots=True)
 class Band:
     name: str
     context_tokens: int  # median context tokens of its calibration prompts
-    points: tuple[Point, ...]  # sorted by ratio (cost)
+    points: tuple[Point, ...]  # per probe depth, sorted by ratio (cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,26 +112,37 @@ class CalibrationProfile:
         n = max(context_tokens, 1)
         return min(self.bands, key=lambda b: abs(math.log(n / max(b.context_tokens, 1))))
 
+    def depth(self, point: Point) -> int:
+        """The probe depth ``point`` was measured with (0: all layers)."""
+        return self.probe_layers if point.probe_layers is None else point.probe_layers
+
+    def qualifying(self, budget: float, band: Band) -> list[tuple[Point, float]]:
+        """The points of ``band`` whose answer KL bound (``upper_bound`` at ``quantile``) is within
+        ``budget``, it and every costlier point of its probe depth, each with its bound."""
+        out = []
+        for depth in {self.depth(p) for p in band.points}:
+            series = sorted((p for p in band.points if self.depth(p) == depth), key=lambda p: p.ratio)
+            worst_above = 0.0
+            for p in reversed(series):  # costliest first: the envelope of what follows
+                bound = upper_bound(p.answer_kl, self.quantile)
+                worst_above = max(worst_above, bound)
+                if worst_above <= budget:
+                    out.append((p, bound))
+        return out
+
     def choose(self, budget: float, context_tokens: int) -> Choice:
-        """The cheapest setting whose answer KL bound (``upper_bound`` at ``quantile``) is within
-        ``budget``, it and every costlier one, and that is not in the tail of settings slower than full
-        prefill; full prefill when none is."""
+        """Of the qualifying settings (``qualifying``), the one measured fastest; full prefill when none
+        qualifies or the fastest is slower than full prefill. Ties go to the smaller bound."""
         band = self.band_for(context_tokens)
-        kl = [upper_bound(p.answer_kl, self.quantile) for p in band.points]
-        faster = len(band.points)  # points[faster:] measured slower than full prefill, each of them
-        while faster and band.points[faster - 1].speedup < 1.0:
-            faster -= 1
-        chosen = None
-        worst_above = 0.0
-        for i in range(len(band.points) - 1, -1, -1):  # costliest first: the envelope of what follows
-            worst_above = max(worst_above, kl[i])  # slow points still count here: they are measurements
-            if worst_above <= budget and i < faster:
-                chosen = i
-        if chosen is None:
+        ok = self.qualifying(budget, band)
+        if not ok:
             return Choice(ReuseOptions(policy="full"), band.name, 0.0)
-        opts = ReuseOptions(policy="query_attention", ratio=band.points[chosen].ratio, max_recompute=None,
-                            first_k=self.first_k, probe_layers=self.probe_layers)
-        return Choice(opts, band.name, round(kl[chosen], 6))
+        point, bound = max(ok, key=lambda pb: (pb[0].speedup, -pb[1]))
+        if point.speedup < 1.0:
+            return Choice(ReuseOptions(policy="full"), band.name, 0.0)
+        opts = ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None,
+                            first_k=self.first_k, probe_layers=self.depth(point))
+        return Choice(opts, band.name, round(bound, 6))
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
@@ -139,7 +154,8 @@ class CalibrationProfile:
             if raw.pop("format", None) != FORMAT:
                 raise CalibrationError(f"{source} is not a {FORMAT} file; make one with `contextkit calibrate`")
             bands = tuple(Band(b["name"], int(b["context_tokens"]), tuple(
-                Point(float(p["ratio"]), tuple(p["answer_kl"]), tuple(p["tf_agreement"]), float(p["speedup"]))
+                Point(float(p["ratio"]), tuple(p["answer_kl"]), tuple(p["tf_agreement"]), float(p["speedup"]),
+                      None if p.get("probe_layers") is None else int(p["probe_layers"]))
                 for p in b["points"])) for b in raw.pop("bands"))
             profile = cls(bands=bands, **raw)
         except (ValueError, KeyError, TypeError) as exc:

@@ -5,16 +5,19 @@ On the tune half of ``--data`` (the shared dev file by default; ``--set split=``
 (``--set bands=1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's
 passages compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its
 greedy answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
-(``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks and probe depth)
-the assembled KV's answer KL and teacher-forced agreement over that answer (``bench.fidelity``), and its
-TTFT. The profile keeps the per-prompt numbers; a budget is later held to their
+(``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe
+depth (``--set probe_layers=8,0``: through the first 8 layers, and through all) the assembled KV's answer
+KL and teacher-forced agreement over that answer (``bench.fidelity``), and its TTFT. A budget chooses the
+fastest setting within it (``CalibrationProfile.choose``), so a deeper probe is taken where it reaches the
+budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is later held to their
 ``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th smallest of n, so more
 prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and are refused. Written
 beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
-Rows: one per band and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget is held to;
+Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget is held to;
 tf_agreement; speedup vs full prefill in the same run);
-summary: per band, the ratio each budget in ``BUDGETS`` (also ``bench spans``' budget rows) would choose.
+summary: per band, the ratio and probe depth each budget in ``BUDGETS`` (also ``bench spans``' budget rows)
+would choose.
 """
 
 from __future__ import annotations
@@ -39,7 +42,20 @@ from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import Band, CalibrationProfile, Point, minimum_prompts, profile_path, upper_bound
 
 RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+PROBES = (8, 0)  # probe depths: the first 8 layers (ReuseOptions' default), and all (0)
 BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
+
+
+def _probes(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return PROBES
+    try:
+        probes = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        probes = ()
+    if not probes or min(probes) < 0:
+        raise ConfigError(f"--set probe_layers={text!r}: give comma-separated layer counts >= 0 (0: all layers)")
+    return probes
 
 
 def _ratios(text: str | None) -> tuple[float, ...]:
@@ -54,9 +70,12 @@ def _ratios(text: str | None) -> tuple[float, ...]:
     return ratios
 
 
-def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, ratios: tuple[float, ...],
-              answer_tokens: int) -> tuple[float, dict[float, tuple[float, float, float]]]:
-    """One question: full prefill's TTFT, and per ratio (answer KL, tf_agreement, TTFT) against it."""
+Setting = tuple[int, float]  # (probe depth, ratio)
+
+
+def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tuple[Setting, ...],
+              answer_tokens: int) -> tuple[float, dict[Setting, tuple[float, float, float]]]:
+    """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT) against it."""
     for it in plan.items[:-1]:
         cache.compiled(it.span)
     engine = cache.engine
@@ -68,35 +87,38 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, ratios: tuple
     ref = reference_answer(engine, kv.cache, kv.first_logits, kv.token_ids, stopped=kv.stopped)
     base = ReuseOptions().fallback()
     out = {}
-    for r in ratios:
-        opts = dataclasses.replace(base, ratio=r, max_recompute=None)
+    for depth, r in settings:
+        opts = dataclasses.replace(base, ratio=r, max_recompute=None, probe_layers=depth)
         t0 = time.perf_counter()
         asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
         ms = (time.perf_counter() - t0) * 1e3
         f = compare(ref, engine, asm.cache, asm.logits)
-        out[r] = (f.answer_kl, f.tf_agreement, ms)
+        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms)
     return full_ms, out
 
 
 def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, tok: Tokenizer,
-          ratios: tuple[float, ...], answer_tokens: int, tick: Tick) -> Band:
+          settings: tuple[Setting, ...], answer_tokens: int, tick: Tick) -> Band:
     full_ms: list[float] = []
-    per: dict[float, list[tuple[float, float, float]]] = {r: [] for r in ratios}
+    per: dict[Setting, list[tuple[float, float, float]]] = {s: [] for s in settings}
     for qi, (_, plan) in enumerate(chosen):
         tick(f"{name} q{qi}")
-        ms, measured = _question(cache, tok, plan, ratios, answer_tokens)
+        ms, measured = _question(cache, tok, plan, settings, answer_tokens)
         full_ms.append(ms)
-        for r, m in measured.items():
-            per[r].append(m)
+        for s, m in measured.items():
+            per[s].append(m)
     full = median(full_ms)
-    points = tuple(Point(r, tuple(round(m[0], 6) for m in per[r]), tuple(round(m[1], 4) for m in per[r]),
-                         round(full / median([m[2] for m in per[r]]), 3)) for r in ratios)
+    points = tuple(Point(r, tuple(round(m[0], 6) for m in per[(d, r)]), tuple(round(m[1], 4) for m in per[(d, r)]),
+                         round(full / median([m[2] for m in per[(d, r)]]), 3), probe_layers=d) for d, r in settings)
     return Band(name, int(median([p.num_tokens for _, p in chosen])), points)
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     bands = parse_bands(ctx.option("bands", "1.5k,3k,4k"))
     ratios = _ratios(ctx.option("ratios", None))
+    probes = _probes(ctx.option("probe_layers", None))
+    # ratio 0 runs no probe: measured once, under the first depth
+    settings = tuple((d, r) for d in probes for r in ratios if r > 0 or d == probes[0])
     answer_tokens = ctx.option("answer_tokens", 32, int)
     q = ctx.option("quantile", 0.9, float)
     if not 0 < q < 1 or answer_tokens < 1:
@@ -120,7 +142,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                          f"{q} quantile (at least {least} each); give more data or choose other "
                          f"--set bands=")
     tick(total=sum(len(c) for c in work.values()))
-    fitted = tuple(_band(b, c, cache, tok, ratios, answer_tokens, tick) for b, c in work.items())
+    fitted = tuple(_band(b, c, cache, tok, settings, answer_tokens, tick) for b, c in work.items())
     profile = CalibrationProfile(
         model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
         data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=fitted,
@@ -128,13 +150,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
-                                     "ratios": ratios, "quantile": q, "answer_tokens": answer_tokens,
+                                     "ratios": ratios, "probe_layers": probes, "quantile": q, "answer_tokens": answer_tokens,
                                      "profile": str(out)},
                        _rows(profile), _summary(profile, n))
 
 
 def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
-    return [{"band": b.name, "context_tokens": b.context_tokens, "ratio": p.ratio,
+    return [{"band": b.name, "context_tokens": b.context_tokens, "probe_layers": profile.depth(p), "ratio": p.ratio,
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
              "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares
              "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup}
@@ -146,5 +168,7 @@ def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
     for b in profile.bands:
         for budget in BUDGETS:
             c = profile.choose(budget, b.context_tokens)
-            out[band_key(f"ratio_at_{budget}", b.name)] = "full" if c.options.policy == "full" else c.options.ratio
+            full = c.options.policy == "full"
+            out[band_key(f"ratio_at_{budget}", b.name)] = "full" if full else c.options.ratio
+            out[band_key(f"probe_layers_at_{budget}", b.name)] = None if full else c.options.probe_layers
     return out

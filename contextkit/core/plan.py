@@ -238,3 +238,4 @@ class ReuseReport:
     cached_tokens: int = 0  # reused tokens of spans already stored before this request (hits): usage's cached
     recomputed_slots: tuple[int, ...] = ()
     exact_tokens: int = 0  # reused tokens of an exact prefix (computed before after the same prefix)
+    probe_layers: int | None = None  # query_attention: the probe's depth (0: all layers); None otherwise

@@ -259,8 +259,8 @@ def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, 
     rec = got.get("recompute")
     if isinstance(rec, dict):  # what the connector resolved and recomputed, as serve reports it
         loaded, n = got.get("loaded_tokens") or 0, rec.get("recomputed_tokens") or 0
-        out.update({k: rec[k] for k in ("policy", "ratio", "fidelity_budget", "profile", "band", "requested", "reason")
-                    if k in rec})
+        reported = ("policy", "ratio", "probe_layers", "fidelity_budget", "profile", "band", "requested", "reason")
+        out.update({k: rec[k] for k in reported if k in rec})
         cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
         out.update(recomputed_tokens=n, reused_tokens=max(0, loaded - n))
         if isinstance(cached, int):  # vLLM computed the rest of the prompt (the question, spans not loaded)

@@ -319,6 +319,7 @@ class _Answer:
                 "prefilled_tokens": rep.prefilled_tokens, "compiled_tokens": rep.compiled_tokens,
                 "exact_tokens": rep.exact_tokens,
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
+                "probe_layers": rep.probe_layers,
                 "fidelity_budget": rep.fidelity_budget, "profile": rep.profile, "band": rep.band,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 

@@ -221,6 +221,8 @@ class ConnectorScheduler:
             out["recompute"] = {**st.report, "recomputed_tokens": st.recomputed_tokens}
             if st.repair is not None:
                 out["recompute"]["ratio"] = st.repair.ratio
+                if st.repair.policy == "query_attention":
+                    out["recompute"]["probe_layers"] = st.repair.probe_layers
         if st.lookup is not None and st.lookup[3]:
             out["missing_spans"] = [list(m) for m in st.lookup[3]]
         if st.context_saved:

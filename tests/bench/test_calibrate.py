@@ -25,7 +25,9 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "profile written to" in proc.stderr
     result = json.loads(table.read_text())
-    assert [(r["band"], r["ratio"]) for r in result["rows"]] == [("1.5k", 0.0), ("1.5k", 0.3)]
+    # each ratio at both probe depths (8 layers, all), except ratio 0, which runs no probe
+    assert [(r["band"], r["probe_layers"], r["ratio"]) for r in result["rows"]] == [
+        ("1.5k", 8, 0.0), ("1.5k", 8, 0.3), ("1.5k", 0, 0.3)]
     assert all(r["answer_kl_p90"] >= 0 and 0 <= r["tf_agreement"] <= 1 for r in result["rows"])
 
     digest = weights_digest(smol_dir)
@@ -48,12 +50,13 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
         docs = [Evidence(b, id=f"p{i}") for i, b in enumerate(passage_text.split("\n\n")[:3]) if b.strip()]
         gen = kit.generate("Who was born first?", docs, reuse=ReuseOptions(fidelity_budget=1.0))
         assert gen.reuse.profile == profile.id and gen.reuse.band == "1.5k" and gen.reuse.fidelity_budget == 1.0
-        # a budget every calibrated setting meets: the cheapest (reuse with first-k sinks only) unless the
-        # calibration measured it slower than full prefill (then full prefill, exact and faster)
+        # a budget every calibrated setting meets: the one measured fastest, unless it measured slower than
+        # full prefill (then full prefill, exact and faster)
         chosen = profile.choose(1.0, 1500).options
-        assert gen.reuse.policy == chosen.policy
+        fastest = max(profile.bands[0].points, key=lambda p: p.speedup)
+        assert gen.reuse.policy == chosen.policy == ("full" if fastest.speedup < 1 else "query_attention")
         if chosen.policy != "full":
-            assert gen.reuse.ratio == chosen.ratio == 0.0
+            assert gen.reuse.ratio == chosen.ratio == fastest.ratio
     finally:
         kit.close()
     with pytest.raises(CalibrationError, match="other weights"):

@@ -74,17 +74,35 @@ def test_a_lucky_point_below_a_bad_one_is_never_chosen():
     assert _profile((SHORT, LONG)).choose(0.1, 4000).options.ratio == 0.1
 
 
-def test_settings_slower_than_full_prefill_are_never_chosen():
+def test_the_fastest_qualifying_setting_is_chosen_and_never_one_slower_than_full_prefill():
     band = Band("1.5k", 1500, (
         _point(0.0, 0.3, speedup=6.0),
-        _point(0.2, 0.06, speedup=0.9),  # slower than full prefill, but a faster costlier point follows
+        _point(0.2, 0.06, speedup=0.9),  # within 0.1, but measured slower than a costlier setting
         _point(0.5, 0.03, speedup=1.2),
-        _point(0.7, 0.01, speedup=0.95),  # the slow tail: full prefill is exact and faster
+        _point(0.7, 0.01, speedup=0.95),  # the only one within 0.02: full prefill is exact and faster
     ))
     p = _profile((band,))
     assert p.choose(0.02, 1500).options.policy == "full"
     assert p.choose(0.05, 1500).options.ratio == 0.5
-    assert p.choose(0.1, 1500).options.ratio == 0.2  # not in the tail: one slow measurement is not a trend
+    assert p.choose(0.1, 1500).options.ratio == 0.5  # faster than r=0.2 and more faithful
+    assert p.choose(1.0, 1500).options.ratio == 0.0
+
+
+def test_a_deeper_probe_is_chosen_where_it_reaches_the_budget_faster():
+    """The probe through all layers (0) costs more per request than through 8, but reaches a budget at a
+    lower ratio: the measured speed decides, the envelope is kept per depth."""
+    shallow = (_point(0.2, 0.15, speedup=2.2), _point(0.3, 0.12, speedup=1.7), _point(0.5, 0.04, speedup=1.2))
+    deep = tuple(dataclasses.replace(pt, probe_layers=0) for pt in (
+        _point(0.2, 0.11, speedup=1.8), _point(0.3, 0.06, speedup=1.4), _point(0.5, 0.03, speedup=1.0)))
+    p = _profile((Band("1.5k", 1500, shallow + deep),))
+    c = p.choose(0.1, 1500)
+    assert (c.options.ratio, c.options.probe_layers, c.predicted_kl) == (0.3, 0, 0.06)  # 1.4x, not 8 layers' 1.2x
+    c = p.choose(0.2, 1500)
+    assert (c.options.ratio, c.options.probe_layers) == (0.2, 8)  # both depths fit: 8 layers' 2.2x wins
+    lucky = dataclasses.replace(deep[0], answer_kl=(0.01,) * N, speedup=3.0)  # below a bad costlier point
+    bad = dataclasses.replace(deep[1], answer_kl=(0.3,) * N)
+    c = _profile((Band("1.5k", 1500, shallow + (lucky, bad, deep[2])),)).choose(0.1, 1500)
+    assert (c.options.ratio, c.options.probe_layers) == (0.5, 8)  # the envelope holds within a depth
 
 
 def test_too_few_prompts_bound_nothing_and_the_profile_says_so(tmp_path, caplog):
@@ -104,6 +122,9 @@ def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_pat
     path = profile_path(tmp_path, "float32")
     path.write_text(p.to_json())
     assert CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32") == p
+    deep = _profile((Band("1.5k", 1500, (dataclasses.replace(SHORT.points[0], probe_layers=0),)),))
+    assert CalibrationProfile.from_json(deep.to_json()) == deep  # a point's own depth round-trips
+    assert SHORT.points[0].probe_layers is None and p.depth(SHORT.points[0]) == p.probe_layers == 8  # files before it
     with pytest.raises(CalibrationError, match="other weights"):
         CalibrationProfile.load(path, model_digest="cd" * 32, dtype="float32")
     with pytest.raises(CalibrationError, match="bfloat16"):
