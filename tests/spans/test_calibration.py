@@ -99,6 +99,9 @@ def test_a_deeper_probe_is_chosen_where_it_reaches_the_budget_faster():
     assert (c.options.ratio, c.options.probe_layers, c.predicted_kl) == (0.3, 0, 0.06)  # 1.4x, not 8 layers' 1.2x
     c = p.choose(0.2, 1500)
     assert (c.options.ratio, c.options.probe_layers) == (0.2, 8)  # both depths fit: 8 layers' 2.2x wins
+    near = dataclasses.replace(deep[2], speedup=1.17)  # within 5% of 8 layers' r=0.5 (1.2x), and tighter
+    c = _profile((Band("1.5k", 1500, shallow + deep[:2] + (near,)),)).choose(0.05, 1500)
+    assert (c.options.ratio, c.options.probe_layers, c.predicted_kl) == (0.5, 0, 0.03)  # a tie: fidelity wins
     lucky = dataclasses.replace(deep[0], answer_kl=(0.01,) * N, speedup=3.0)  # below a bad costlier point
     bad = dataclasses.replace(deep[1], answer_kl=(0.3,) * N)
     c = _profile((Band("1.5k", 1500, shallow + (lucky, bad, deep[2])),)).choose(0.1, 1500)
