@@ -9,13 +9,13 @@ greedy answer (``--set answer_tokens=32``) are the reference; then for each quer
 depth (``--set probe_layers=8,0``: through the first 8 layers, and through all) the assembled KV's answer
 KL and teacher-forced agreement over that answer (``bench.fidelity``), and its TTFT. A budget chooses the
 fastest setting within it (``CalibrationProfile.choose``), so a deeper probe is taken where it reaches the
-budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is later held to their
-``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th smallest of n, so more
-prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and are refused. Written
-beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
+budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is
+later held to their ``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th
+smallest of n, so more prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and
+are refused. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
-Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget is held to;
-tf_agreement; speedup vs full prefill in the same run);
+Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
+is held to; tf_agreement; speedup vs full prefill in the same run);
 summary: per band, the ratio and probe depth each budget in ``BUDGETS`` (also ``bench spans``' budget rows)
 would choose.
 """

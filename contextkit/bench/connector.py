@@ -65,7 +65,6 @@ from contextkit.bench import connector_recompute as recompute
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
-from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
 from contextkit.core.errors import ConfigError, UpstreamError
 
 ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
@@ -92,7 +91,7 @@ def _first(obj: dict) -> tuple[str, dict[str, float]]:
     return c.get("text", ""), top
 
 
-def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, *, prompts=(), spans=(),
+def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, dtype: str, *, prompts=(), spans=(),
                 timeout_s: float = 120.0) -> float:
     """Wait until the store holds every full block of ``prompts`` and every span of ``spans`` (token id
     tuples) saved under ``salt`` (saves finish on the connector's thread after each answer, in the turns
@@ -108,7 +107,7 @@ def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, *, prompt
     from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
     spec = load_spec(model_dir)
-    geom = KVGeometry(model_fingerprint(model_dir), resolve_dtype("auto"), block, spec.num_layers, spec.num_kv_heads,
+    geom = KVGeometry(model_fingerprint(model_dir), dtype, block, spec.num_layers, spec.num_kv_heads,
                       spec.head_dim)
     keys = {k.digest: k for p in prompts for k in block_keys(geom, salt, p.ids, (p.num_tokens - 1) // block)}
     keys.update((k.digest, k) for k in (span_key(geom, salt, list(ids)) for ids in spans))
@@ -229,7 +228,8 @@ def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redi
     m.force("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
     m.measure("prefix caching, connector saving", srv.a.url, lambda i, p: _body(p, salt))
     m.tick("waiting for A's saves")
-    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, prompts=m.prompts)
+    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, srv.a.config.resolved_dtype,
+                              prompts=m.prompts)
     m.tick("restarting A")
     srv.restart_a()
     m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
@@ -355,7 +355,7 @@ def _summary(rows: dict[str, dict], saved_share: float, tokens: list[int]) -> di
     }
 
 
-def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir: Path) -> dict:
+def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir: Path, dtype: str) -> dict:
     """The teacher-forced fidelity of ``TF_ROWS`` (into their rows too) and the recompute rows' keys."""
     ref = m.forced["full prefill (cold)"]
     fid = {row: recompute.answer_fidelity(ref, m.answers, m.forced[row]) for row in TF_ROWS}
@@ -376,7 +376,7 @@ def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir
     out["recompute_resolved"] = {k: first.get(k) for k in ("policy", "ratio", "profile", "band")}
     out.update(recompute.repair_cost(before[0], after[0]))
     out["repair_rss_mb"] = round(after[1] - before[1], 1)  # the repairs' working memory, in server A
-    out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir, resolve_dtype("auto"))  # loaded at A's start
+    out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir, dtype)  # loaded at A's start
     return out
 
 
@@ -431,7 +431,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     try:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
-        span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt))
+        span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt,
+                                                                  srv.a.config.resolved_dtype))
         before = recompute.connector_counters(srv.a.url), tree_rss_mb(srv.a.process.proc.pid)
         _recompute_rows(m, srv.a.url)
         after = recompute.connector_counters(srv.a.url), tree_rss_mb(srv.a.process.proc.pid)
@@ -446,7 +447,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     summary["restart_load_ms_p50"] = round(median([r[0] - f[0] for r, f in zip(m.per["connector after restart"],
                                                                                   m.per["local prefix hit (floor)"])]), 1)
     summary["span_saved_share"] = span_share
-    summary.update(_recompute_summary(m, {r["row"]: r for r in out_rows}, before, after, model_dir))
+    summary.update(_recompute_summary(m, {r["row"]: r for r in out_rows}, before, after, model_dir,
+                                      srv.a.config.resolved_dtype))
     config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
               "data": str(ctx.data) if ctx.data else "default", **saving}
     return BenchResult("connector", config, out_rows, summary)
