@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -40,6 +41,8 @@ class UpstreamPool:
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"upstream URLs must start with http:// or https://, got {bad}")
+        for i, u in enumerate(urls):
+            _check_no_secret(i, u)
         self.upstreams = [Upstream(u.rstrip("/"), Weaver(block_size=block_size), name=f"upstream-{i}")
                           for i, u in enumerate(urls)]
 
@@ -95,3 +98,17 @@ class UpstreamPool:
         others = [x for x in self.upstreams if x.healthy and x is not u]
         if u.consecutive_failures >= threshold and others:
             u.healthy = False
+
+
+def _check_no_secret(index: int, url: str) -> None:
+    """An upstream URL is logged, labels ``/metrics`` and keys span compiles: it must carry no credential.
+    The message names the upstream by its place, never echoing what it holds."""
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"upstream #{index + 1} has credentials in its URL, which is logged and shown on "
+                          "/metrics: give the URL without user:password@ and the server's key with "
+                          "--upstream-api-key (vLLM's --api-key)")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"upstream #{index + 1} has a query or fragment in its URL: give the server's base "
+                          "URL (http://HOST:PORT, optionally a path) and its key with --upstream-api-key")
+

@@ -25,6 +25,22 @@ def test_an_upstream_pool_needs_http_urls():
         UpstreamPool(["localhost:8000"], 32)
 
 
+@pytest.mark.parametrize("url", ["http://admin:hunter2-secret@vllm:8000", "https://token-secret@vllm:8000",
+                                 "http://vllm:8000/?api_key=hunter2-secret", "http://vllm:8000/#hunter2-secret"])
+def test_an_upstream_url_with_a_secret_in_it_is_refused_without_echoing_it(url):
+    # the URL is logged and labels /metrics: a credential in it would be published there
+    with pytest.raises(ConfigError) as err:
+        UpstreamPool(["http://ok:8000", url], 32)
+    msg = str(err.value)
+    assert "upstream #2" in msg and "--upstream-api-key" in msg
+    assert "secret" not in msg and "hunter2" not in msg
+
+
+def test_a_base_url_with_a_path_and_port_is_kept():
+    pool = UpstreamPool(["http://vllm:8000/", "https://gw.example/v/a/"], 32)
+    assert [u.url for u in pool.upstreams] == ["http://vllm:8000", "https://gw.example/v/a"]
+
+
 def test_a_lease_cannot_leak():
     pool = UpstreamPool(["http://a:1"], block_size=32)
     (u,) = pool.upstreams
