@@ -111,4 +111,3 @@ def _check_no_secret(index: int, url: str) -> None:
     if parts.query or parts.fragment:
         raise ConfigError(f"upstream #{index + 1} has a query or fragment in its URL: give the server's base "
                           "URL (http://HOST:PORT, optionally a path) and its key with --upstream-api-key")
-
