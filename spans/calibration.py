@@ -22,7 +22,10 @@ The fit is conservative, not a curve, in three ways:
   chosen: a deeper probe costs more per request but may reach the budget at a lower ratio, and only the measurement says which is faster; a setting measured
   slower than full prefill is never chosen, since full prefill is exact and faster.
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
-dtype is refused (``CalibrationError``), never used.
+dtype is refused (``CalibrationError``), never used; so is one whose values are out of range (a ratio above
+1, a negative probe depth, an answer KL that is not a finite number >= 0, ...): the file is checked field by
+field when it is read (``_ProfileFile``), since vLLM's connector resolves a budget with it inside vLLM's
+scheduler, where a bad value raising would stop the engine for every tenant.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contextkit.core.errors import CalibrationError
 from contextkit.core.plan import ReuseOptions
@@ -155,20 +160,19 @@ class CalibrationProfile:
 
     @classmethod
     def from_json(cls, text: str, source: str = "profile") -> CalibrationProfile:
+        """Read a profile written by ``to_json``; ``CalibrationError`` names the first field out of range."""
         try:
             raw = json.loads(text)
-            if raw.pop("format", None) != FORMAT:
-                raise CalibrationError(f"{source} is not a {FORMAT} file; make one with `contextkit calibrate`")
-            bands = tuple(Band(b["name"], int(b["context_tokens"]), tuple(
-                Point(float(p["ratio"]), tuple(p["answer_kl"]), tuple(p["tf_agreement"]), float(p["speedup"]),
-                      None if p.get("probe_layers") is None else int(p["probe_layers"]))
-                for p in b["points"])) for b in raw.pop("bands"))
-            profile = cls(bands=bands, **raw)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise CalibrationError(f"{source} cannot be read ({exc}); run `contextkit calibrate` again") from None
-        if not profile.bands or any(not b.points for b in profile.bands):
-            raise CalibrationError(f"{source} holds no calibrated settings; run `contextkit calibrate` again")
-        return profile
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise CalibrationError(f"{source} is not a {FORMAT} file; make one with `contextkit calibrate`")
+        try:
+            checked = _ProfileFile.model_validate({k: v for k, v in raw.items() if k != "format"})
+        except ValidationError as exc:
+            raise CalibrationError(f"{source} is not a valid calibration profile: {_first_error(exc)}; run "
+                                   "`contextkit calibrate` again") from None
+        return checked.profile()
 
     @classmethod
     def load(cls, path: Path | str, *, model_digest: str, dtype: str) -> CalibrationProfile:
@@ -193,6 +197,63 @@ class CalibrationProfile:
                 f"calibration profile {path} was made for {profile.dtype}, this engine runs {dtype}: it is not "
                 f"used; run `contextkit calibrate --dtype {dtype}`")
         return profile
+
+
+class _Checked(BaseModel):
+    # strict: a number must be a JSON number (no "0.5", no true), an int an integer; no NaN or infinity
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _PointFile(_Checked):
+    ratio: float = Field(ge=0.0, le=1.0)
+    answer_kl: list[float] = Field(min_length=1)
+    tf_agreement: list[float] = Field(min_length=1)
+    speedup: float = Field(gt=0.0)
+    probe_layers: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _per_prompt(self) -> _PointFile:
+        if any(k < 0 for k in self.answer_kl):
+            raise ValueError("answer_kl holds a negative KL")
+        if any(not 0.0 <= a <= 1.0 for a in self.tf_agreement):
+            raise ValueError("tf_agreement holds a value outside [0, 1]")
+        if len(self.tf_agreement) != len(self.answer_kl):
+            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.tf_agreement)} tf_agreement")
+        return self
+
+
+class _BandFile(_Checked):
+    name: str = Field(min_length=1)
+    context_tokens: int = Field(ge=1)
+    points: list[_PointFile] = Field(min_length=1)
+
+
+class _ProfileFile(_Checked):
+    """The profile file's schema, checked field by field (ranges, types) before anything uses it."""
+
+    model_digest: str = Field(min_length=1)
+    dtype: str = Field(min_length=1)
+    quantile: float = Field(gt=0.0, lt=1.0)
+    answer_tokens: int = Field(ge=1)
+    data: str
+    bands: list[_BandFile] = Field(min_length=1)
+    first_k: int = Field(default=2, ge=0)
+    probe_layers: int = Field(default=8, ge=0)
+
+    def profile(self) -> CalibrationProfile:
+        bands = tuple(Band(b.name, b.context_tokens, tuple(
+            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers) for p in b.points))
+            for b in self.bands)
+        return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,
+                                  self.first_k, self.probe_layers)
+
+
+def _first_error(exc: ValidationError) -> str:
+    """``bands[0].points[2].ratio: Input should be less than or equal to 1 (got 1.5)``: where and what."""
+    err = exc.errors()[0]
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in err["loc"]).lstrip(".")
+    got = "" if err["type"] in ("missing", "value_error") else f" (got {err['input']!r:.60})"
+    return f"{where or 'the file'}: {err['msg']}{got}"
 
 
 def find_profile(model_dir: Path | str, *, model_digest: str, dtype: str,

@@ -290,17 +290,23 @@ def weights_digest(model_dir: Path | str) -> str:
     models, on first load for a directory of your own) and cached beside the weights in
     ``contextkit-weights.json`` with each file's size and mtime; a file whose size or mtime changed is
     hashed again. Where the directory is read-only the digest is computed on every load.
+
+    A directory holding no weights (no safetensors file) has no cached digest to trust: a stamp of
+    nothing (or of a config alone) is matched by any sidecar copied or written there, which could then
+    name another model's digest and make that model's calibration profile or KV its own. Its digest is
+    computed from what is there, and not cached.
     """
     model_dir = Path(model_dir)
     files = _weight_files(model_dir)
     stats = {f.name: f.stat() for f in files if f.is_file()}
     stamp = {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
     cached_path = model_dir / WEIGHTS_DIGEST
+    has_weights = any(name.endswith(".safetensors") for name in stats)
     try:
-        cached = json.loads(cached_path.read_text())
+        cached = json.loads(cached_path.read_text()) if has_weights else {}
         if cached.get("files") == stamp and isinstance(cached.get("sha256"), str):
             return cached["sha256"]
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         pass
     whole = hashlib.sha256()
     for f in files:
@@ -311,6 +317,8 @@ def weights_digest(model_dir: Path | str) -> str:
             while block := fh.read(1 << 22):
                 whole.update(block)
     digest = whole.hexdigest()
+    if not has_weights:
+        return digest
     try:
         tmp = cached_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"sha256": digest, "files": stamp}, indent=2))
@@ -343,15 +351,16 @@ def resolve_model_dir(model: str, cache_dir: Path | str, progress: Progress | No
     return prepare(model, cache_dir, progress=progress)
 
 
-def hf_cached_dir(repo_id: str) -> Path | None:
-    """The snapshot of ``repo_id`` in the local Hugging Face cache (``HF_HOME``/``HF_HUB_CACHE`` honoured),
-    or None; never downloads (nothing here reaches the network at run time)."""
+def hf_cached_dir(repo_id: str, *, cache_dir: Path | str | None = None, revision: str | None = None) -> Path | None:
+    """The snapshot of ``repo_id`` (at ``revision``, else the cached main) in the local Hugging Face cache
+    (``cache_dir``, else ``HF_HOME``/``HF_HUB_CACHE``), or None; never downloads (nothing here reaches the
+    network at run time)."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
     except ModuleNotFoundError:
         return None
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache_dir, revision=revision))
     except (LocalEntryNotFoundError, ValueError, OSError):
         return None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from contextkit.core.errors import CalibrationError, ConfigError, InputError
 from contextkit.core.plan import DEFAULT_FIDELITY_BUDGET, ReuseOptions
@@ -143,6 +146,83 @@ def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_pat
     path.write_text("{not json")
     with pytest.raises(CalibrationError, match="cannot be read"):
         CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
+
+
+def _good() -> dict:
+    return json.loads(_profile((SHORT, LONG)).to_json())
+
+
+def _set(raw: dict, path: tuple, value) -> dict:
+    at = raw
+    for part in path[:-1]:
+        at = at[part]
+    at[path[-1]] = value
+    return raw
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("bands", 0, "points", 1, "ratio"), 1.5, "bands[0].points[1].ratio"),
+    (("bands", 0, "points", 1, "ratio"), -0.1, "bands[0].points[1].ratio"),
+    (("bands", 0, "points", 1, "ratio"), "0.3", "bands[0].points[1].ratio"),
+    (("bands", 0, "points", 0, "probe_layers"), -1, "bands[0].points[0].probe_layers"),
+    (("bands", 0, "points", 0, "probe_layers"), 8.5, "bands[0].points[0].probe_layers"),
+    (("bands", 1, "points", 2, "answer_kl"), "abc", "bands[1].points[2].answer_kl"),
+    (("bands", 1, "points", 2, "answer_kl", 3), "0.1", "bands[1].points[2].answer_kl[3]"),
+    (("bands", 1, "points", 2, "answer_kl", 3), float("nan"), "bands[1].points[2].answer_kl[3]"),
+    (("bands", 1, "points", 2, "answer_kl", 3), -0.5, "bands[1].points[2]"),
+    (("bands", 1, "points", 2, "answer_kl"), [], "bands[1].points[2].answer_kl"),
+    (("bands", 1, "points", 2, "tf_agreement"), [0.5], "bands[1].points[2]"),
+    (("bands", 1, "points", 0, "speedup"), 0, "bands[1].points[0].speedup"),
+    (("bands", 1, "points", 0, "speedup"), float("inf"), "bands[1].points[0].speedup"),
+    (("bands", 1, "points", 0, "speedup"), True, "bands[1].points[0].speedup"),
+    (("bands", 0, "context_tokens"), -5, "bands[0].context_tokens"),
+    (("bands", 0, "points"), [], "bands[0].points"),
+    (("bands",), [], "bands"),
+    (("quantile",), 1.0, "quantile"),
+    (("quantile",), 0, "quantile"),
+    (("quantile",), float("nan"), "quantile"),
+    (("first_k",), -2, "first_k"),
+    (("probe_layers",), -3, "probe_layers"),
+    (("answer_tokens",), 0, "answer_tokens"),
+    (("bands", 0, "points", 0, "surprise"), 1, "bands[0].points[0].surprise"),
+])
+def test_a_profile_with_a_value_out_of_range_is_refused_naming_the_field(tmp_path, path, value, field):
+    """Each of these loaded before and raised later, inside vLLM's scheduler on the first budget request."""
+    file = profile_path(tmp_path, "float32")
+    file.write_text(json.dumps(_set(_good(), path, value)))
+    with pytest.raises(CalibrationError) as err:
+        CalibrationProfile.load(file, model_digest=DIGEST, dtype="float32")
+    assert f"{field}:" in str(err.value) and "contextkit calibrate" in str(err.value)
+    assert find_profile(tmp_path, model_digest=DIGEST, dtype="float32") is None  # beside the model: ignored
+
+
+_JSONISH = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True),
+                     st.text(max_size=3), st.lists(st.floats(-1, 2), max_size=3))
+_FIELDS = [("ratio",), ("answer_kl",), ("answer_kl", 0), ("tf_agreement", 1), ("speedup",), ("probe_layers",)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 3), st.sampled_from(_FIELDS), _JSONISH),
+                      min_size=1, max_size=3),
+       top=st.sampled_from([None, "first_k", "probe_layers", "quantile"]), top_value=_JSONISH,
+       budget=st.floats(0.001, 1.0), tokens=st.integers(0, 100_000))
+def test_whatever_a_profile_holds_it_is_refused_at_load_or_chooses_without_raising(edits, top, top_value, budget,
+                                                                                   tokens):
+    raw = _good()
+    for band, point, path, value in edits:
+        target = raw["bands"][band]["points"][point]
+        if len(path) == 2 and not isinstance(target.get(path[0]), list):
+            continue
+        _set(target, path, value)
+    if top is not None:
+        raw[top] = top_value
+    try:
+        profile = CalibrationProfile.from_json(json.dumps(raw))
+    except CalibrationError as exc:
+        assert "contextkit calibrate" in str(exc)
+        return
+    choice = profile.choose(budget, tokens)  # what the connector's scheduler calls: never raises
+    assert choice.options.policy in ("full", "query_attention") and 0.0 <= choice.options.ratio <= 1.0
 
 
 def test_budget_options_check_their_range_and_policy():
