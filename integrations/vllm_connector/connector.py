@@ -105,12 +105,15 @@ class ContextKitConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if refused:
                 log.warning("contextkit connector: %s", refused)
+            local = _local_model_dir(mc.model, download_dir=vllm_config.load_config.download_dir,
+                                     revision=mc.revision)
             self.connector_scheduler = ConnectorScheduler(settings=self.settings, geometry=self.geometry,
                                                           store=self.store, pic_loads=self.rope is not None,
-                                                          profile=_profile(self.model_dir, self.geometry.dtype),
+                                                          profile=_profile(local, self.geometry.dtype),
                                                           repair_refused=refused)
         else:
-            repairer = (Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype)
+            repairer = (Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype,
+                                 chunk_tokens=self.settings.repair_chunk_tokens)
                         if self.rope and refused is None else None)
             self.connector_worker = ConnectorWorker(settings=self.settings, geometry=self.geometry,
                                                     store=self.store, rope=self.rope, repairer=repairer)
@@ -175,8 +178,10 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     # -- both ------------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> ConnectorStats | None:
-        # vLLM's scheduler asks too; the counters are the worker's
-        return None if self.connector_worker is None else self.connector_worker.get_kv_connector_stats()
+        # each role's own counters: vLLM's scheduler adds its side's to what the workers sent
+        if self.connector_worker is not None:
+            return self.connector_worker.get_kv_connector_stats()
+        return None if self.connector_scheduler is None else self.connector_scheduler.counters.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ConnectorStats:
@@ -252,9 +257,26 @@ def _repair_refused(device: str) -> str | None:
             "span KV without recompute)")
 
 
-def _profile(model_dir: Path, dtype: str):
+def _local_model_dir(model: str, *, download_dir: str | None = None, revision: str | None = None) -> Path | None:
+    """vLLM's ``--model`` as a directory on this machine, as vLLM itself reads it: an existing directory, else
+    a Hugging Face hub id's snapshot in the local cache (vLLM's ``--download-dir`` when given, at its
+    ``--revision``); None when neither (nothing here downloads)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from contextkit.core.models import hf_cached_dir
+
+    return hf_cached_dir(model, cache_dir=download_dir, revision=revision)
+
+
+def _profile(model_dir: Path | None, dtype: str):
     """The model's calibration profile for ``dtype`` (``contextkit calibrate``), which resolves a repaired
-    request's policy="budget"; None (the built-in default) when there is none or it does not fit."""
+    request's policy="budget"; None (the built-in default) when there is none or it does not fit. A directory
+    without weights files has no trusted digest (``core.models.weights_digest``), so no profile fits it."""
+    if model_dir is None:
+        log.warning("contextkit connector: the model is neither a directory nor in the local Hugging Face cache; "
+                    "no calibration profile (recompute policy 'budget' runs the built-in default)")
+        return None
     try:
         from contextkit.core.models import weights_digest
         from contextkit.spans.calibration import find_profile

@@ -11,8 +11,11 @@ scattered tokens; the connector can, because it writes the paged cache before th
 2. selects the tokens to recompute with the request's policy (``spans.recompute.select``: the question's
    attention through the first layers, or the K deviation at a check layer), plus each span's first
    tokens (sinks); how many is fixed by the scheduler side (``RepairPlan.count``, reported to the client);
-3. recomputes them in their new context (one forward over the scattered rows, each attending causally
-   to everything before it), and hands the repaired region back to be written into vLLM's cache.
+3. recomputes them in their new context (forwards over the scattered rows, each attending causally
+   to everything before it), and hands the repaired region back to be written into vLLM's cache. The
+   rows run in position order, at most ``chunk_tokens`` a forward: a row attends only to rows before it,
+   which an earlier chunk has already recomputed through every layer, so the chunks give the KV one
+   forward over all of them gives, with the forward's activations bounded.
 
 vLLM then computes the question and decodes over the repaired KV. The KV is still approximate: the
 request runs under its own salt namespace (``core.tenancy.pic_salt`` with the setting's variant) and
@@ -46,10 +49,13 @@ class Repairer:
     Args:
         model_dir: vLLM's model directory (config.json and safetensors).
         dtype: vLLM's model dtype name ("bfloat16", "float16", "float32"): the engine runs in it.
+        chunk_tokens: rows recomputed per forward at most (``ConnectorSettings.repair_chunk_tokens``).
     """
 
-    def __init__(self, *, model_dir: Path | str, dtype: str):
-        self.model_dir, self.dtype = Path(model_dir), dtype
+    def __init__(self, *, model_dir: Path | str, dtype: str, chunk_tokens: int = 512):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.model_dir, self.dtype, self.chunk_tokens = Path(model_dir), dtype, chunk_tokens
         self._engine = None
         self._refused: str | None = None  # why this model cannot be repaired, once found
         self._lock = threading.Lock()
@@ -117,9 +123,11 @@ class Repairer:
                             item_slots=pieces, candidates=pool, computed=query, query=query)
             picked = select(engine, cache, layout, _options(plan, pool.numel()))
             cache.truncate(end)
-            chosen = torch.cat([chosen, picked.slots]).unique()
-        if chosen.numel():
-            engine.forward(cache, ids[chosen], positions=chosen, slots=chosen, logits="none")
+            chosen = torch.cat([chosen, picked.slots])
+        chosen = chosen.unique()  # sorted: the chunks go in position order (module docstring)
+        for at in range(0, chosen.numel(), self.chunk_tokens):
+            part = chosen[at : at + self.chunk_tokens]
+            engine.forward(cache, ids[part], positions=part, slots=part, logits="none")
         k.copy_(cache.k[:, :, start:end].transpose(1, 2))
         v.copy_(cache.v[:, :, start:end].transpose(1, 2))
         return int(chosen.numel())

@@ -13,19 +13,21 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from contextkit.core.errors import ConfigError
-from contextkit.core.repair import planned, sinks
+from contextkit.core.errors import ConfigError, ContextKitError
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
+from contextkit.integrations.vllm_connector.limits import RepairLimits
 from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp, RepairPlan
 from contextkit.integrations.vllm_connector.saves import SaveOp
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings, RequestOptions
+from contextkit.integrations.vllm_connector.stats import Counters
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from contextkit.core.repair import RepairOptions
     from contextkit.kvstore.tiered import TieredStore
     from contextkit.spans.calibration import CalibrationProfile
 
@@ -47,6 +49,8 @@ class ConnectorScheduler:
         self.geometry = geometry
         self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
         self.lookup = Lookup(store, geometry, timeout_s=settings.timeout_s, max_spans=settings.max_spans)
+        self.limits = RepairLimits(settings=settings, geometry=geometry)
+        self.counters = Counters()  # the scheduler's own (vLLM's scheduler asks for them and adds the worker's)
         self._requests: dict[str, RequestState] = {}
 
     def _state(self, request: Request) -> RequestState:
@@ -59,23 +63,48 @@ class ConnectorScheduler:
             except ConfigError as exc:  # the request runs, with exact reuse under its own cache_salt
                 log.warning("request %s: %s; using exact reuse", request.request_id, exc)
                 opts, salt = RequestOptions(), request.cache_salt
-            st = self._requests[request.request_id] = RequestState(ids, opts, salt)
+            st = RequestState(ids, opts, salt)
             if opts.mode == "pic" and opts.recompute is not None:
-                self._resolve(st)
+                try:
+                    self._resolve(st)
+                except Exception as exc:  # noqa: BLE001 - a bad profile or value, a bug: never into vLLM's scheduler
+                    why = str(exc) if isinstance(exc, ContextKitError) else "see the connector's code"
+                    log.warning("request %s: its recompute setting could not be resolved (%s: %s); it runs as exact "
+                                "prefix reuse", request.request_id, type(exc).__name__, why)
+                    self.counters.add("policy_fallbacks")
+                    st = RequestState(ids, RequestOptions(), request.cache_salt)
+            self._requests[request.request_id] = st
         return st
 
     def _resolve(self, st: RequestState) -> None:
         """The request's recompute setting: policy="budget" is the profile's cheapest setting within the
         budget for the prompt's length (or full prefill: then nothing is loaded), else, with no profile,
         the built-in default (query_attention at the request's ratio), with a warning the first time. On a
-        server that cannot repair, full prefill of the span region, with the reason."""
+        server that cannot repair, full prefill of the span region, with the reason. The setting is then
+        clamped to the operator's limits (``limits``). Raises on anything wrong: the caller falls back."""
         r = st.opts.recompute
         if self.repair_refused is not None:
             st.report = {"policy": "full", "requested": r.policy, "reason": self.repair_refused}
             return
         if r.policy != "budget":
             st.repair, st.report = r, {"policy": r.policy}
+        else:
+            self._resolve_budget(st, r)
+        if st.repair is not None:
+            st.repair, applied = self.limits.clamp(st.repair)
+            self._clamped(st, applied)
+
+    def _clamped(self, st: RequestState, applied: dict[str, float]) -> None:
+        """Say in the request's report which limits cut its setting (counted once per request)."""
+        if not applied:
             return
+        if not st.report.get("clamped"):
+            self.counters.add("repair_clamps")
+        st.report["clamped"] = True
+        st.report["limits"] = {**st.report.get("limits", {}), **applied}
+
+    def _resolve_budget(self, st: RequestState, r: RepairOptions) -> None:
+        """policy="budget": the profile's choice for the prompt's length, or the built-in default."""
         budget = r.reuse().budget
         if self.profile is None:
             if not self._warned:
@@ -97,8 +126,14 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if st.lookup is not None and st.lookup[0] == num_computed_tokens:
-            return st.lookup[1], False
+        if st.lookup is None or st.lookup[0] != num_computed_tokens:
+            st.lookup = self._look_up(st, num_computed_tokens)
+        if st.repair is not None and st.lookup[1]:
+            self._hold_to_limits(st, request.request_id)
+        return st.lookup[1], False
+
+    def _look_up(self, st: RequestState, num_computed_tokens: int) -> tuple:
+        """What the store holds after ``num_computed_tokens``: ``(computed, n, pieces, missing spans)``."""
         limit = len(st.ids) - 1  # vLLM computes at least the last prompt token
         missing: tuple = ()
         if st.opts.mode == "off":
@@ -110,9 +145,21 @@ class ConnectorScheduler:
                                else ((), ()))
         else:
             pieces = self.lookup.blocks(st, num_computed_tokens, limit)
-        n = sum(p.n for p in pieces)
-        st.lookup = (num_computed_tokens, n, pieces, missing)
-        return n, False
+        return num_computed_tokens, sum(p.n for p in pieces), pieces, missing
+
+    def _hold_to_limits(self, st: RequestState, req_id: str) -> None:
+        """Shed the request's repair when it would break a limit this step (``limits.RepairLimits.refusal``):
+        it then loads nothing and vLLM computes its span region (the path of policy "full")."""
+        computed, n, pieces, missing = st.lookup
+        need = self.limits.need(st.repair, start=computed, end=computed + n, prompt=len(st.ids), pieces=pieces)
+        reason = self.limits.refusal(need)
+        if reason is None:
+            return
+        log.warning("request %s: recompute shed to a full prefill of its span region: %s", req_id, reason)
+        self.counters.add("repair_sheds")
+        st.report = {**st.report, "policy": "full", "requested": st.opts.recompute.policy, "reason": f"shed: {reason}"}
+        st.repair = None
+        st.lookup = (computed, 0, (), missing)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
@@ -127,10 +174,14 @@ class ConnectorScheduler:
             kept.append(p if take == p.n else Piece(p.key, p.src, take, p.dst, p.ids[:take], p.shift))
             total += take
         st.load = (computed, computed + total, tuple(kept))
+        if st.repair is not None:  # this step's repairs so far: what the next request's must fit beside
+            self.limits.commit(self.limits.need(st.repair, start=computed, end=computed + total, prompt=len(st.ids),
+                                                pieces=st.load[2]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         meta = ConnectorMeta()
         self.lookup.new_step()  # this step's lookups are done: the next ones get a deadline of their own
+        self.limits.new_step()  # ... and its repairs are counted: the next step's get a budget of their own
         for new in scheduler_output.scheduled_new_reqs:
             st = self._requests.get(new.req_id)
             if st is None:
@@ -141,7 +192,7 @@ class ConnectorScheduler:
             if st.load is not None:
                 start, end, pieces = st.load
                 meta.loads.append(LoadOp(new.req_id, start, end, pieces, tuple(st.block_ids),
-                                         self._repair_plan(st, end, pieces)))
+                                         self._repair_plan(st, start, end, pieces)))
                 st.loaded_tokens += end - start
                 st.load = None
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -161,21 +212,21 @@ class ConnectorScheduler:
             self._plan_saves(st, done, meta)
         return meta
 
-    def _repair_plan(self, st: RequestState, end: int, pieces: tuple[Piece, ...]) -> RepairPlan | None:
-        """What the worker recomputes of this load (``core.repair``: the count is fixed here, reported)."""
+    def _repair_plan(self, st: RequestState, start: int, end: int, pieces: tuple[Piece, ...]) -> RepairPlan | None:
+        """What the worker recomputes of this load (``core.repair``: the count is fixed here, reported), cut
+        to the per-request limit (``limits.RepairLimits.need``)."""
         r = st.repair
         if r is None:
             return None
-        moved = tuple((p.dst, p.n, p.src) for p in pieces if p.shift)  # spans at position 0 are exact
-        cand = sum(n for _, n, _ in moved)
-        sink = tuple(sinks(moved, r.first_k))
-        count = planned(policy=r.policy, ratio=r.ratio, max_recompute=r.max_recompute, candidates=cand,
-                        sinks=len(sink))
-        if not sink and not count:
+        need = self.limits.need(r, start=start, end=end, prompt=len(st.ids), pieces=pieces)
+        if need.clamped:
+            self._clamped(st, {"max_recompute_tokens": self.limits.max_tokens})
+        if not need.tokens:
             return None
         probe_end = len(st.ids) if r.probe_end is None else max(end + 1, min(r.probe_end, len(st.ids)))
-        st.recomputed_tokens += len(sink) + count
-        return RepairPlan(r.policy, count, sink, moved, tuple(st.ids[:probe_end]), r.probe_layers, r.check_layer)
+        st.recomputed_tokens += need.tokens
+        return RepairPlan(r.policy, need.count, need.sinks, need.moved, tuple(st.ids[:probe_end]), r.probe_layers,
+                          r.check_layer)
 
     def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
         """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), for a

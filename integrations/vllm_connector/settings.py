@@ -61,6 +61,27 @@ class ConnectorSettings:
             Measured in two held-out runs, without then with (docs/benchmarks.md): whole-answer agreement of
             the default recompute 0.917 -> 0.945 and median answer KL 0.020 -> 0.015, but its p90 0.13 ->
             0.29; and no compile prefills.
+
+    Limits on the repair (``limits``): a pic request may ask for recompute, and its repair runs inside
+    vLLM's step (``start_load_kv``), so every tenant's decode waits for it. A client's choice is clamped
+    to these when the request is resolved, and the report says so (``"clamped": true`` and the limits that
+    applied); a repair over a limit it cannot be clamped to is shed: it loads nothing of its span region
+    and vLLM computes it (a full prefill of it), counted in ``repair_sheds``. The defaults never bind on
+    the default policies (query_attention r=0.3, at most 512 tokens; a calibrated profile's ratios, at
+    most 0.7 by default) nor on ``bench connector`` (one request at a time, prompts within 8k tokens).
+
+        max_recompute_ratio: the largest recompute ratio a request runs (0.7: ``contextkit calibrate``'s
+            largest by default); a higher one is run at this ratio.
+        max_recompute_tokens: tokens one request's repair recomputes at most (sinks and chosen, 4096);
+            past it the chosen ones are cut (the sinks kept); a request whose sinks alone exceed it is shed.
+        max_step_recompute_tokens: a scheduler step's repairs, all together, in tokens through the whole
+            model (8192: each recomputed token, plus the selection's pass over part of the layers, weighted
+            by its share of them); a request whose repair would take the step past it is shed.
+        max_repair_bytes: the repair's own memory at most (1 GiB): its cache of the prompt up to the
+            selection's end plus the copy of the request's local prefix, K and V of every layer (SmolLM2-135M
+            in bf16: ~23 KB a token); a request over it is shed.
+        repair_chunk_tokens: tokens recomputed per forward of the repair at most (512): the chosen tokens
+            run in position order, chunk after chunk, which bounds the forward's activations.
     """
 
     disk_dir: Path | None = None
@@ -75,6 +96,11 @@ class ConnectorSettings:
     encrypt: bool = False
     max_spans: int = 256
     context_spans: bool = True
+    max_recompute_ratio: float = 0.7
+    max_recompute_tokens: int = 4096
+    max_step_recompute_tokens: int = 8192
+    max_repair_bytes: int = 1 << 30
+    repair_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.disk_dir is None and not self.remote_url:
@@ -94,6 +120,15 @@ class ConnectorSettings:
         if not 0.0 <= self.save_busy_share <= 1.0 or not 0.0 <= self.save_quiet_s <= 10.0:
             raise ConfigError(f"save_busy_share must be in [0, 1] and save_quiet_s in [0, 10] seconds, got "
                               f"{self.save_busy_share}, {self.save_quiet_s}")
+        self._check_repair_limits()
+
+    def _check_repair_limits(self) -> None:
+        if type(self.max_recompute_ratio) not in (int, float) or not 0.0 <= self.max_recompute_ratio <= 1.0:
+            raise ConfigError(f"max_recompute_ratio must be in [0, 1], got {self.max_recompute_ratio}")
+        for name in ("max_recompute_tokens", "max_step_recompute_tokens", "max_repair_bytes", "repair_chunk_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

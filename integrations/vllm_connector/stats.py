@@ -1,8 +1,9 @@
 """The connector's counters, carried from the worker to vLLM's logger and exposed on its ``/metrics``.
 
 vLLM moves connector stats between processes as a dict (``KVConnectorStats.data``) and calls our
-``KVConnectorPromMetrics`` with it; the counters appear as ``contextkit_connector_<name>_total`` beside
-vLLM's own ``vllm:external_prefix_cache_hits``.
+``KVConnectorPromMetrics`` with it (vLLM's scheduler adds the scheduler side's counters to the workers':
+``get_kv_connector_stats`` on both roles); the counters appear as ``contextkit_connector_<name>_total``
+beside vLLM's own ``vllm:external_prefix_cache_hits``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ COUNTERS = {
     "repair_failures": "repairs that raised: the span region was left to vLLM to compute in full",
     "repair_ms": "milliseconds the worker spent repairing (divide by repairs: per request)",
     "dropped_saves": "saves dropped because the save queue was full (the least worth first) or the store refused them",
+    "policy_fallbacks": "requests whose recompute setting could not be resolved (a bad value or profile): run as exact "
+                        "prefix reuse",
+    "repair_clamps": "requests whose recompute was cut to the connector's limits (max_recompute_ratio, "
+                     "max_recompute_tokens)",
+    "repair_sheds": "requests whose repair was over a limit (the step's tokens, the repair's memory): their span "
+                    "region was left to vLLM to compute in full",
 }
 
 

@@ -115,3 +115,27 @@ def test_a_sliding_window_model_is_refused_and_not_loaded_again(gemma_dir, monke
     monkeypatch.setattr(repairer, "model_dir", gemma_dir / "gone")  # a second load would fail otherwise
     with pytest.raises(RepairUnsupported, match="sliding-window"):
         repairer.engine()
+
+
+def test_the_repair_runs_in_chunks_of_rows_and_gives_the_kv_of_one_forward(smol_dir, prompt, monkeypatch):
+    """At most ``chunk_tokens`` rows a forward, in position order: the KV equals one forward over all rows (a
+    row attends only to rows before it, already recomputed) and so the full prefill's."""
+    whole = Repairer(model_dir=smol_dir, dtype="float32", chunk_tokens=100_000)
+    ids, full, start, end, prefix, k, v, pieces = _setup(whole.engine(), prompt)
+    k1, v1 = k.clone(), v.clone()
+    whole.run(_plan(ids, pieces, ratio=1.0), start=start, end=end, prefix=prefix, k=k1, v=v1)
+    chunked = Repairer(model_dir=smol_dir, dtype="float32", chunk_tokens=16)
+    engine = chunked.engine()
+    rows, forward = [], engine.forward
+
+    def counted(cache, token_ids, *args, **kwargs):  # the real forward, its row counts noted
+        if kwargs.get("probe") is None:  # not the selection's probe over the question
+            rows.append(len(token_ids))
+        return forward(cache, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", counted)
+    n = chunked.run(_plan(ids, pieces, ratio=1.0), start=start, end=end, prefix=prefix, k=k, v=v)
+    assert n == end - start and sum(rows) == n and max(rows) == 16 and len(rows) == -(-n // 16)
+    torch.testing.assert_close(k, k1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, v1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.transpose(1, 2), full.k[:, :, start:end], atol=2e-3, rtol=1e-3)
