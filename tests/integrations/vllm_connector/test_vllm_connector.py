@@ -340,7 +340,10 @@ def kv(smol_dir, config, tmp_path_factory):
     redis = redis_server(log_file=root / "redis.log").start()
     redis_url = redis.url
     b_proxy = DelayProxy(redis_url)
-    a_cfg = ConnectorSettings(disk_dir=root / "a-disk", remote_url=redis_url, cache_dir=config.cache_dir)
+    # A's operator allows recomputing every span token (a test compares that with full prefill); B runs the
+    # default limits (max_recompute_ratio 0.7)
+    a_cfg = ConnectorSettings(disk_dir=root / "a-disk", remote_url=redis_url, cache_dir=config.cache_dir,
+                              max_recompute_ratio=1.0)
     b_cfg = ConnectorSettings(remote_url=b_proxy.url, cache_dir=config.cache_dir)
 
     def server(name, settings):
@@ -647,10 +650,10 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
                                logprobs=20))
     repairs0 = metric(url, "contextkit_connector_repairs")
 
-    def reuse(recompute: dict | None) -> tuple[dict, dict]:
+    def reuse(recompute: dict | None, at: str = url) -> tuple[dict, dict]:
         params = {"mode": "pic", "spans": spans, "salt": salt, **({"recompute": recompute} if recompute else {})}
         variant = RepairOptions.of(recompute).variant if recompute else ""
-        out = complete(url, ids, pic_salt(salt, recompute_last=False, variant=variant),
+        out = complete(at, ids, pic_salt(salt, recompute_last=False, variant=variant),
                        kv_transfer_params={"contextkit": params}, logprobs=20)
         assert out["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 7 * BS
         return top_logprob(out), out["kv_transfer_params"]["contextkit"].get("recompute", {})
@@ -660,7 +663,12 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     every, rep_all = reuse({"policy": "query_attention", "ratio": 1.0, "max_recompute": None})
     assert not none
     assert rep["recomputed_tokens"] == 2 * 2 + round(0.3 * 6 * BS)  # sinks of a and b + the ratio's share
-    assert rep_all["recomputed_tokens"] == 6 * BS
+    assert rep_all["recomputed_tokens"] == 6 * BS and not rep_all.get("clamped")
+    # B runs the default operator limits: a client asking to recompute everything gets max_recompute_ratio
+    # (issue 46: a client cannot buy unbounded recompute inside vLLM's step)
+    _, rep_b = reuse({"policy": "query_attention", "ratio": 1.0, "max_recompute": None}, at=kv.b.url)
+    assert rep_b["clamped"] and rep_b["ratio"] == 0.7, rep_b
+    assert rep_b["recomputed_tokens"] == 2 * 2 + round(0.7 * 6 * BS)
     assert top_kl(ref, part) < top_kl(ref, pic), (top_kl(ref, part), top_kl(ref, pic))
     best = max(ref, key=ref.get)
     assert max(every, key=every.get) == best and abs(every[best] - ref[best]) < 0.05 and top_kl(ref, every) < 0.01
