@@ -19,9 +19,11 @@ How a request is placed (``Router.pick``), among the healthy upstreams:
    same one, and adding an upstream moves only the sessions that now hash to it. Else the least loaded.
 
 An index that lags is never an error: it scores low (a late ``BlockStored``) or high (a late
-``BlockRemoved``, and vLLM then prefills what it lacks). An upstream that was sent new blocks and published
-nothing for ``events_stale_s`` is stale: it is scored by the fallback until its events flow again, and
-``/metrics`` says so (``contextkit_proxy_upstream_events_fresh``).
+``BlockRemoved``, and vLLM then prefills what it lacks). An upstream that accepted new blocks and published
+nothing for ``events_stale_s`` since they were sent is stale: it is scored by the fallback until its events
+flow again, and ``/metrics`` says so (``contextkit_proxy_upstream_events_fresh``). A request vLLM refuses
+(a 4xx: too long, a bad parameter) caches nothing and publishes nothing, so only an accepted one (a 2xx
+response started) starts that clock (``Router.sent``, then ``Router.accepted``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class Choice:
     upstream: Upstream
     rule: str  # events | model | affinity | least_loaded
     held_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A request sent to upstream ``position`` at ``at`` with blocks it did not hold: once the upstream accepts
+    it, an event is due (``Router.accepted``)."""
+
+    position: int
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +209,30 @@ class Router:
         self.decisions[choice.rule] += 1
         return choice
 
-    def sent(self, u: Upstream, keys: Sequence[bytes]) -> None:
-        """A prompt with these keys is being sent to ``u``: if it stores blocks ``u`` does not hold, an event
-        is due (the stale clock starts, unless it already runs); and its blocks count as held there until
-        its events arrive (at most ``events_stale_s``)."""
-        v = self.views[self.position(u)]
+    def sent(self, u: Upstream, keys: Sequence[bytes]) -> Sent | None:
+        """A prompt with these keys is being sent to ``u``: its blocks count as held there until its events
+        arrive (at most ``events_stale_s``). When it stores blocks ``u`` does not hold, the answer is the
+        ticket ``accepted`` takes once ``u`` accepted the request (else None: no event is due)."""
+        i = self.position(u)
+        v = self.views[i]
         if v is None or not keys:
-            return
+            return None
         now = self.clock()
-        if v.index.held_prefix(keys) < len(keys) and v.expect_since is None:
-            v.expect_since = now
+        due = v.index.held_prefix(keys) < len(keys)
         v.index.expect(keys, now + self.stale_s)
+        return Sent(i, now) if due else None
+
+    def accepted(self, sent: Sent | None, status: int) -> None:
+        """The upstream answered the request ``sent`` (``Router.sent``'s ticket) with ``status``. A 2xx
+        means vLLM took it, so its events are due: the stale clock starts from when it was sent, unless
+        one is running already or an event came since. A refusal (vLLM publishes nothing for a request it
+        refused) starts nothing."""
+        if sent is None or not 200 <= status < 300:
+            return
+        v = self.views[sent.position]
+        last = v.feed.last_event_at
+        if v.expect_since is None and (last is None or last <= sent.at):
+            v.expect_since = sent.at
 
     async def run(self) -> None:
         """Run every upstream's subscriber until cancelled (one that fails is logged, stale, and retried)."""

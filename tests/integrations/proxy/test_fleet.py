@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from contextkit.integrations.proxy.kv_index import prompt_keys
 from contextkit.integrations.proxy.routing import render_keys
 
 BS = 32
@@ -23,7 +24,8 @@ SMALL_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def fleet_vllm(smol_dir, tmp_path_factory):
-    """A second vLLM server publishing KV events, with room for 64 blocks: (url, "pub,replay")."""
+    """A second vLLM server publishing KV events, with room for 64 blocks: (url, "pub,replay", the server,
+    which a test may restart: same port, same event endpoints)."""
     from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
 
     events = ipc_events(tmp_path_factory.mktemp("fleet-events"))
@@ -31,7 +33,7 @@ def fleet_vllm(smol_dir, tmp_path_factory):
                               extra_args=(*kv_events_args(*events), "--num-gpu-blocks-override", str(SMALL_BLOCKS)),
                               log_file=tmp_path_factory.mktemp("fleet-log") / "vllm.log")
     with VLLMServer(config) as server:
-        yield server.url, ",".join(events)
+        yield server.url, ",".join(events), server
 
 
 @pytest.fixture
@@ -139,6 +141,48 @@ def test_an_evicted_prefix_stops_attracting_requests(fleet, fleet_vllm, passage_
     assert view.index.counts["removed"] > 0
     later = chat(url, "key-fleet-a-000001", messages)
     assert later.headers["x-contextkit-route"] != "events"
+
+
+def test_a_request_vllm_refuses_does_not_make_its_upstream_stale(fleet, passage_text):
+    """vLLM publishes nothing for a request it refuses: the stale clock waits for one it accepted."""
+    url, app = fleet
+    r = httpx.post(url + "/v1/chat/completions", headers={"authorization": "Bearer key-fleet-a-000001"}, timeout=300,
+                   json={"model": "smol", "messages": _question(passage_text, uuid.uuid4().hex), "max_tokens": 100_000})
+    assert r.status_code == 400, r.text  # past the context: vLLM's own refusal
+    view = app.upstreams.router.views[int(r.headers["x-contextkit-upstream"].rsplit("-", 1)[1])]
+    assert view.expect_since is None  # no event is due: a quiet fleet stays routed by its events
+
+
+def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, fleet_vllm, passage_text):
+    """The small server restarts (a new process on the same port and event endpoints: its cache empty, its
+    event numbers from 0): the proxy's index of it drops the old process's blocks, then holds what the new
+    one caches, and /metrics counts the restart."""
+    url, app = fleet
+    small, _, server = fleet_vllm
+    view = app.upstreams.router.views[1]
+    salt = app.tenancy.cache_salt(_tenant(app, "a"), None)
+    messages = _question(passage_text, uuid.uuid4().hex)
+    r = httpx.post(small + "/v1/chat/completions", timeout=300, json={"model": "smol", "messages": messages,
+                                                                       "max_tokens": 1, "cache_salt": salt})
+    assert r.status_code == 200, r.text
+    until(lambda: held(app, "a", messages).get(1, 0) >= 8, what=lambda: f"{held(app, 'a', messages)}")
+    restarts = view.feed.counts["restarts"]
+    server.stop()
+    server.start()
+    # nothing sent to the new process yet: it holds nothing, and neither does its index
+    until(lambda: len(view.index) == 0, what=lambda: f"{len(view.index)} {view.feed.counts}")
+    assert held(app, "a", messages) == {} and view.feed.counts["restarts"] == restarts + 1
+    ids = [11 + (i * 7919) % 20000 for i in range(3 * BS + 3)]  # three full blocks
+    r = httpx.post(small + "/v1/completions", timeout=300, json={"model": "smol", "prompt": ids, "max_tokens": 1,
+                                                                  "cache_salt": salt})
+    assert r.status_code == 200, r.text
+    until(lambda: len(view.index) == 3, what=lambda: f"{len(view.index)} {view.feed.counts}")
+    assert view.index.held_prefix(prompt_keys(ids, block_size=BS, salt=salt)) == 3
+    metrics = httpx.get(url + "/metrics", timeout=30).text  # loopback: no metrics key needed
+    assert f'contextkit_proxy_upstream_indexed_blocks{{upstream="{small}"}} 3.0' in metrics
+    counted = [line for line in metrics.splitlines() if line.startswith("contextkit_proxy_kv_events_total{")
+               and 'kind="restarts"' in line and f'upstream="{small}"' in line]
+    assert len(counted) == 1 and counted[0].endswith(f" {restarts + 1}.0"), counted
 
 
 def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fleet_vllm, config, app_thread,

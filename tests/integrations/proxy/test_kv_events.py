@@ -30,17 +30,20 @@ class Running:
         self.sub, self.loop = sub, asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.task = asyncio.run_coroutine_threadsafe(sub.run(), self.loop)
+        self.task = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> asyncio.Task:
+        return asyncio.ensure_future(self.sub.run())
 
     def __enter__(self):
         return self.sub.feed
 
     def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        try:
-            self.task.result(timeout=10)
-        except BaseException:  # noqa: BLE001 - cancelled, or what run raised (the test saw its effects)
-            pass
+        async def stop():  # cancelled, or what run raised (the test saw its effects): run's finally has run
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -98,8 +101,8 @@ class _Publisher:
         self.sock.close(linger=0)
 
 
-def _batch(*events) -> bytes:
-    return msgspec.msgpack.encode([time.time(), list(events)])
+def _batch(*events, ts: float | None = None) -> bytes:
+    return msgspec.msgpack.encode([time.time() if ts is None else ts, list(events)])
 
 
 def _stored(hashes, parent, tokens, extra=None) -> dict:
@@ -140,3 +143,102 @@ def test_hostile_messages_are_counted_and_a_gap_without_replay_starts_the_index_
         publisher.send(seq + 204, _batch(_stored([b"g"], None, [5] * BS)))
         until(lambda: feed.counts["gaps"] == 1)
         assert len(index) == 1 and index.held_prefix(prompt_keys([5] * BS, block_size=BS, salt=None)) == 1
+
+
+class _ReplayingPublisher:
+    """vLLM's ``ZmqEventPublisher`` as the wire sees it (vllm/distributed/kv_events.py): a PUB socket and a
+    ROUTER that answers a starting sequence number with every buffered batch from there, then an end
+    marker. One instance is one server process: a restart is a new instance on the same endpoints."""
+
+    def __init__(self, tmp_path):
+        ctx = zmq.Context.instance()
+        self.endpoint, self.replay_endpoint = f"ipc://{tmp_path / 'kv'}", f"ipc://{tmp_path / 'kv-replay'}"
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        self.pub.bind(self.endpoint)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.asked: list[int] = []  # the replays asked for, by their first sequence number
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, seq: int, payload: bytes, *, live: bool = True) -> None:
+        """Batch ``seq`` into the replay buffer and (``live``) onto the PUB socket: not live, it was
+        published while no subscriber listened."""
+        self.buffer.append((seq, payload))
+        if live:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def _serve(self) -> None:
+        while self.running:
+            if not self.router.poll(20):
+                continue
+            client, _, start = self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
+            for seq, payload in list(self.buffer):
+                if seq >= self.asked[-1]:
+                    self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def _block(tag: int, ts: float) -> bytes:
+    """A batch storing one block of its own (tokens ``tag`` x BS, no parent), published at ``ts``."""
+    return _batch(_stored([f"{ts}-{tag}".encode()], None, [tag] * BS), ts=ts)
+
+
+def _holds(index: BlockIndex, tags) -> list[bool]:
+    return [index.held_prefix(prompt_keys([t] * BS, block_size=BS, salt=None)) == 1 for t in tags]
+
+
+def test_a_restarted_server_is_told_from_the_old_one_when_its_first_number_is_past_the_old_ones(tmp_path):
+    """A server restarts and publishes 10 batches before the subscriber is back: the first number heard
+    is past the one expected, and the replay buffer even holds that number. The old process's blocks must
+    not stay indexed as phantoms: on reconnecting, the batch applied last is asked for again, and a new
+    process answers another one."""
+    old = _ReplayingPublisher(tmp_path)
+    for seq in range(3):
+        old.publish(seq, _block(seq + 1, ts=1000.0 + seq), live=False)
+    index = BlockIndex(block_size=BS)
+    with Running(EventSubscriber(old.endpoint, feed=EventFeed(index), replay_endpoint=old.replay_endpoint)) as feed:
+        until(lambda: len(index) == 3, timeout_s=10, what=lambda: f"{feed.counts}")
+        old.close()
+        new = _ReplayingPublisher(tmp_path)  # the new process: its numbers from 0, its cache its own
+        try:
+            for seq in range(10):
+                new.publish(seq, _block(100 + seq, ts=2000.0 + seq), live=False)
+            until(lambda: feed.counts["restarts"] == 1 and all(_holds(index, range(100, 110))), timeout_s=10,
+                  what=lambda: f"{feed.counts} {new.asked} {_holds(index, range(1, 4))} {len(index)}")
+            assert not any(_holds(index, range(1, 4))) and len(index) == 10
+            # its live batches follow on (one lost before the subscription took: replayed)
+            seq = iter(range(10, 100))
+            until(lambda: (new.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), feed.next_seq > 10)[1],
+                  timeout_s=10, what=lambda: f"{feed.counts}")
+            assert all(_holds(index, range(100, 100 + feed.next_seq))) and feed.counts["restarts"] == 1
+        finally:
+            new.close()
+
+
+def test_a_gap_whose_replay_comes_from_another_process_starts_the_index_over(tmp_path):
+    """The same check on a gap: the replay from the last batch applied answers a batch of that number
+    published at another time (another process), so what the index held is dropped, not continued."""
+    pub = _ReplayingPublisher(tmp_path)
+    for seq in range(3):
+        pub.publish(seq, _block(seq + 1, ts=1000.0 + seq), live=False)
+    index = BlockIndex(block_size=BS)
+    try:
+        with Running(EventSubscriber(pub.endpoint, feed=EventFeed(index), replay_endpoint=pub.replay_endpoint)) as feed:
+            until(lambda: len(index) == 3, timeout_s=10, what=lambda: f"{feed.counts}")
+            pub.buffer = [(seq, _block(100 + seq, ts=2000.0 + seq)) for seq in range(10)]  # behind it, a new process
+            seq = iter(range(10, 100))
+            until(lambda: (pub.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), feed.next_seq > 10)[1],
+                  timeout_s=10, what=lambda: f"{feed.counts} {pub.asked}")
+            assert feed.counts["restarts"] == 1 and feed.counts["gaps"] >= 1
+            assert not any(_holds(index, range(1, 4))) and all(_holds(index, range(100, 100 + feed.next_seq)))
+    finally:
+        pub.close()

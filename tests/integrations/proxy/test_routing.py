@@ -78,7 +78,7 @@ def test_an_upstream_silent_after_new_blocks_goes_stale_and_comes_back_with_its_
     ids = list(range(3 * BS))
     _cache(router, 0, ids, "t")
     keys = prompt_keys(ids + list(range(900, 900 + 2 * BS)), block_size=BS, salt="t")
-    router.sent(a, keys)  # a holds 3 of its 5 blocks: an event is due
+    router.accepted(router.sent(a, keys), 200)  # a holds 3 of its 5 blocks and took them: an event is due
     clock.now += 9.9
     assert router.fresh(0)
     clock.now += 0.2
@@ -86,7 +86,33 @@ def test_an_upstream_silent_after_new_blocks_goes_stale_and_comes_back_with_its_
     assert router.pick(pool.healthy(), events=router.held(keys)).rule != "events"
     router.views[0].feed.last_event_at = clock.now  # its events flow again
     assert router.fresh(0) and router.held(keys) == {0: 3}
-    router.sent(a, keys[:3])  # all held: no event is due, the clock does not start
+    router.accepted(router.sent(a, keys[:3]), 200)  # all held: no event is due, the clock does not start
+    clock.now += 60
+    assert router.fresh(0)
+
+
+def test_only_a_request_the_upstream_accepted_starts_the_stale_clock():
+    """vLLM caches and publishes nothing for a request it refuses (a 4xx: too long, a bad parameter), so
+    a refusal must not make a quiet upstream stale; an accepted one's clock runs from when it was sent."""
+    clock = Clock()
+    pool, router = _router(clock=clock)
+    a, _ = pool.upstreams
+    keys = prompt_keys(list(range(5 * BS)), block_size=BS, salt="t")
+    router.accepted(router.sent(a, keys), 400)
+    clock.now += 60
+    assert router.fresh(0) and router.held(keys) == {}  # no clock; its expectations have expired
+    sent = router.sent(a, keys)
+    clock.now += 8  # a non-streamed answer starts when it is done
+    router.accepted(sent, 200)
+    clock.now += 2.1
+    assert not router.fresh(0)  # 10.1 s since it was sent, no event
+    router.views[0].feed.last_event_at = clock.now
+    assert router.fresh(0)
+    sent = router.sent(a, prompt_keys(list(range(900, 900 + 3 * BS)), block_size=BS, salt="t"))
+    clock.now += 1
+    router.views[0].feed.last_event_at = clock.now  # its events came before its answer
+    clock.now += 1
+    router.accepted(sent, 200)
     clock.now += 60
     assert router.fresh(0)
 
