@@ -15,9 +15,10 @@ import socket
 import threading
 import time
 
-from contextkit.bench.boundary import abuse_cases
+from contextkit.bench.boundary import abuse_cases, large_ids_body
 
-KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers")  # hand-made abuse
+# hand-made abuse (fanout, planning, large: the proxy's, issue 46)
+KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers", "fanout", "planning", "large")
 
 
 def raw_status(port: int, data: bytes, timeout_s: float, *, read: bool = True, drop_after: int | None = None) -> int | None:
@@ -68,7 +69,8 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
     if server == "proxy":
         out.append(("spoofed", _http("/v1/completions", json.dumps(
             {"model": model, "prompt": "Hello", "max_tokens": 2, "cache_salt": "good0"}).encode(), me), {}))
-        out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks
+        out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks, fan-out
+        out.append(("large", _http("/v1/completions", large_ids_body(model, max_body), me), {"big": True}))
     out.append(("oversized", _http(chat, b'{"pad": "' + b"x" * (max_body + 16) + b'"}', me), {"big": True}))
     return out
 

@@ -16,6 +16,7 @@ seen a hit (``route_probe_armed``), so a 0 is not a probe that could not fail.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 
@@ -66,6 +67,10 @@ def abuse_cases(http, model: str, me: str) -> list[tuple[str, bytes, dict]]:
                          ("POST", "/v1/systemone"), ("GET", "/v1/models%2F..%2Fmetrics")):
         raw = http(path, b"{}", me).replace(b"POST ", f"{method} ".encode(), 1)
         out.append(("routes", raw, {"must_refuse": True}))
+    out += fan_out_cases(http, model, me)
+    docs = [{"id": f"d{i}", "text": f"Entry {i} of the ledger, filed under {i * 7919 % 1000}."} for i in range(300)]
+    planning = {**body_for("/v1/chat/completions", model, "Which entry?"), "documents": docs}
+    out.append(("planning", http("/v1/chat/completions", json.dumps(planning).encode(), me), {}))
     plain = json.dumps({**body_for("/v1/completions", model, "Hello"), "cache_salt": "good0"}).encode()
     out.append(("headers", http("/v1/completions", plain, me, "Application/JSON"), {}))
     out.append(("headers", http("/v1/completions", plain, me, "application/json", "content-type: text/plain\r\n"),
@@ -73,6 +78,31 @@ def abuse_cases(http, model: str, me: str) -> list[tuple[str, bytes, dict]]:
     out.append(("headers", http("/v1/completions", plain, me, "application/x-www-form-urlencoded"),
                 {"must_refuse": True}))
     return out
+
+
+def fan_out_cases(http, model: str, me: str) -> list[tuple[str, bytes, dict]]:
+    """Choices past the proxy's ``max_n`` (16) by value rather than by JSON type: ``n`` as a string or a
+    float, a completion's list of prompts times n, the batch route's conversations times n."""
+    out = []
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for n in ("64", 64.0):
+            out.append(("fanout", http(path, json.dumps({**body_for(path, model, "Hi"), "n": n}).encode(), me),
+                        {"must_refuse": True}))
+    many = {**body_for("/v1/completions", model, "Hi"), "prompt": ["Hi"] * 64, "n": 4}
+    out.append(("fanout", http("/v1/completions", json.dumps(many).encode(), me), {"must_refuse": True}))
+    batch = {**body_for("/v1/chat/completions/batch", model, "Hi"), "n": "8"}
+    batch["messages"] = batch["messages"] * 8
+    out.append(("fanout", http("/v1/chat/completions/batch", json.dumps(batch).encode(), me), {"must_refuse": True}))
+    return out
+
+
+@functools.lru_cache(maxsize=2)  # built once per process: ~1M ids
+def large_ids_body(model: str, max_body: int) -> bytes:
+    """A completion of token ids filling most of ``max_body`` (~1M ids in 8 MiB): what the proxy parses,
+    renders and serializes off its event loop; vLLM refuses it as too long."""
+    n = int(max_body * 0.9) // 7  # "12345, " is ~7 bytes an id
+    return json.dumps({"model": model, "prompt": [(i * 7919) % 30000 + 100 for i in range(n)],
+                       "max_tokens": 1}).encode()
 
 
 def route_probes(post, model: str, probes: int, good: int) -> tuple[int, int, int, list[str]]:

@@ -72,6 +72,7 @@ from contextkit.integrations.launchers.servers import (
 from contextkit.integrations.launchers.vllm_server import served_model
 from contextkit.integrations.proxy.settings import ProxySettings
 
+METRICS_KEY = "bench-robustness-metrics"  # the servers' /metrics key (they have API keys: required there)
 # the summary's figures and how the servers' values combine into it (the worst of them)
 WORST = {"fuzz_requests": min, "schemathesis_requests": min, "server_errors": max, "hangs": max,
          "cross_tenant_leaks": max, "good_ttft_p99_ratio": max, "good_errors": max, "rss_growth": max,
@@ -83,7 +84,7 @@ def _server(ctx: BenchContext, server: str, url_of: dict, keys_file: Path, cpus:
     """The server as deployed, with the run's API keys, in its own process group."""
     common = {"model": ctx.config.model, "cache_dir": ctx.config.cache_dir, "cpus": cpus, "startup_timeout_s": 300,
               "log_file": logs / f"bench-robustness-{server}.log"}
-    keys = ["--api-keys-file", str(keys_file)]
+    keys = ["--api-keys-file", str(keys_file), "--metrics-key", METRICS_KEY]
     if server == "proxy":
         return proxy_process(upstream=url_of["vllm"], args=keys, **common).start()
     remote = ["--kv-remote-url", url_of["redis"]] if url_of.get("redis") else []
@@ -94,11 +95,11 @@ def _kv_memory_mb(url: str, server: str) -> float:
     """serve's span memory tier in MiB (it grows to its byte budget by design); 0 for the proxy."""
     if server != "serve":
         return 0.0
-    return scrape_metrics(url, labels={"tier": "memory"}).get("contextkit_kvstore_bytes", 0.0) / 2**20
+    return scrape_metrics(url, labels={"tier": "memory"}, key=METRICS_KEY).get("contextkit_kvstore_bytes", 0.0) / 2**20
 
 
 def _corrupt(url: str) -> float:
-    return scrape_metrics(url).get("contextkit_kvstore_corrupt_total", 0.0)
+    return scrape_metrics(url, key=METRICS_KEY).get("contextkit_kvstore_corrupt_total", 0.0)
 
 
 def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, streams: int) -> tuple[tuple, dict]:
@@ -146,11 +147,17 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
 
 def _row(server: str, row: dict, m: dict, logs: Path) -> dict:
     """One server's row from its measurements (``_measure``)."""
-    (base, base_err, base_hangs), (under, err, hangs), counts = m["base"], m["under"], m["counts"]
+    good0, good1, counts = m["base"], m["under"], m["counts"]
+    (base, base_err, base_hangs), (under, err, hangs) = ((g.ttft, g.errors, g.hangs) for g in (good0, good1))
     (rss0, rss1), (kv0, kv1), (sent, leaks, armed, what) = m["rss"], m["kv"], m["probes"]
     if not base or not under:
         raise ConfigError(f"{server}: no good request succeeded; see {logs}")
     p99_base, p99_under = percentile(base, 99), percentile(under, 99)
+    for phase, g in (("baseline", good0), ("abuse", good1)):  # chunk gaps and the proxy's own time (issue 46)
+        if g.gaps:
+            row[f"good_gap_ms_p99_{phase}"] = round(percentile(g.gaps, 99), 1)
+        if g.proxy_ms:
+            row[f"good_proxy_ms_p99_{phase}"] = round(percentile(g.proxy_ms, 99), 2)
     row.update(
         good_requests_baseline=len(base), good_requests_abuse=len(under), good_errors=base_err + err,
         good_ttft_ms_p50_baseline=round(percentile(base, 50), 1), good_ttft_ms_p99_baseline=round(p99_base, 1),

@@ -39,6 +39,8 @@ class Streamed:
     usage: Mapping[str, Any] = field(default_factory=dict)  # the last ``usage`` seen
     contextkit: Mapping[str, Any] = field(default_factory=dict)  # the last ``contextkit`` extension seen
     error: str = ""  # an error answer's body, first 300 characters
+    max_gap_ms: float | None = None  # the longest wait between two content deltas (None: fewer than two)
+    proxy_ms: float | None = None  # the proxy's own time before forwarding (its x-contextkit-proxy-ms header)
 
     @property
     def ttft_ms(self) -> float:
@@ -56,6 +58,8 @@ class SSEReader:
     def __init__(self, t0: float):
         self.t0 = t0
         self.first: float | None = None
+        self.last: float | None = None  # the latest content delta
+        self.max_gap: float | None = None
         self.parts: list[str] = []
         self.usage: dict = {}
         self.extension: dict = {}
@@ -78,16 +82,20 @@ class SSEReader:
                 continue
             if self.first is None:
                 self.first = now
+            if self.last is not None and self.last != now:
+                self.max_gap = max(self.max_gap or 0.0, now - self.last)
+            self.last = now
             self.parts.append(text)
         if obj.get("usage"):
             self.usage = obj["usage"]
         if obj.get("contextkit"):
             self.extension = obj["contextkit"]
 
-    def result(self, status: int) -> Streamed:
+    def result(self, status: int, proxy_ms: float | None = None) -> Streamed:
         end = time.perf_counter()
         return Streamed(status, None if self.first is None else (self.first - self.t0) * 1e3, (end - self.t0) * 1e3,
-                        "".join(self.parts), self.usage, self.extension)
+                        "".join(self.parts), self.usage, self.extension,
+                        max_gap_ms=None if self.max_gap is None else self.max_gap * 1e3, proxy_ms=proxy_ms)
 
 
 def _error(status: int, t0: float, body: str) -> Streamed:
@@ -128,15 +136,20 @@ async def stream_async(session: aiohttp.ClientSession, url: str, body: dict,
             reader.feed(line)
             if reader.done:
                 break
-        return reader.result(200)
+        proxy_ms = r.headers.get("x-contextkit-proxy-ms")
+        return reader.result(200, float(proxy_ms) if proxy_ms else None)
 
 
 def scrape_metrics(url: str, *, labels: Mapping[str, str] | None = None, http: httpx.Client | None = None,
-                   timeout_s: float = 10.0) -> dict[str, float]:
+                   timeout_s: float = 10.0, key: str | None = None) -> dict[str, float]:
     """``GET {url}/metrics``: each sample's value (by its name as written: ``..._total``, ``..._bucket``)
-    summed over the label sets that hold every pair of ``labels``."""
-    text = (http.get(url.rstrip("/") + "/metrics") if http is not None
-            else httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)).text
+    summed over the label sets that hold every pair of ``labels``. ``key``: the server's metrics key (a
+    server with API keys answers ``/metrics`` only with it)."""
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    r = (http.get(url.rstrip("/") + "/metrics", headers=headers) if http is not None
+         else httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=timeout_s))
+    r.raise_for_status()
+    text = r.text
     want = dict(labels or {})
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):

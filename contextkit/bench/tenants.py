@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -60,17 +61,27 @@ class Workload:
         return {"messages": [{"role": "user", "content": rec.question}], "documents": _documents(rec, self.rng)}
 
 
+@dataclass
+class GoodRun:
+    """What the good streams saw: TTFTs, the longest gap between two chunks of each stream, the proxy's own
+    time before forwarding each (its ``x-contextkit-proxy-ms``; none from serve), all in ms; errors, hangs."""
+
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    proxy_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    hangs: int = 0
+
+
 async def good_streams(url: str, work: Workload, streams: int, seconds: float, max_tokens: int, timeout_s: float,
-                       rounds: int | None = None) -> tuple[list[float], int, int]:
+                       rounds: int | None = None) -> GoodRun:
     """``streams`` clients, each a good tenant, sending streaming requests back to back for ``seconds``
-    (or ``rounds`` requests each). Returns (TTFTs in ms, errors, hangs); a stream with no content is an
-    error."""
+    (or ``rounds`` requests each). A stream with no content is an error."""
     deadline = time.monotonic() + (seconds if rounds is None else 1e9)
-    ttft, errors, hangs = [], 0, 0
+    run = GoodRun()
     conn = aiohttp.TCPConnector(limit=streams + 4)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         async def worker(w: int) -> None:
-            nonlocal errors, hangs
             tenant, i = f"good{w % GOOD}", w
             headers = {"authorization": f"Bearer key-good-{w % GOOD:02d}"}
             while time.monotonic() < deadline and (rounds is None or i < w + rounds * streams):
@@ -80,18 +91,22 @@ async def good_streams(url: str, work: Workload, streams: int, seconds: float, m
                 try:
                     s = await stream_async(session, url + "/v1/chat/completions", body, headers)
                 except TimeoutError:
-                    hangs += 1
+                    run.hangs += 1
                     continue
                 except aiohttp.ClientError:
-                    errors += 1
+                    run.errors += 1
                     continue
                 if s.status != 200:
-                    errors += 1
+                    run.errors += 1
                     await asyncio.sleep(0.5)
                 elif s.first_ms is None:
-                    errors += 1
+                    run.errors += 1
                 else:
-                    ttft.append(s.first_ms)
+                    run.ttft.append(s.first_ms)
+                    if s.max_gap_ms is not None:
+                        run.gaps.append(s.max_gap_ms)
+                    if s.proxy_ms is not None:
+                        run.proxy_ms.append(s.proxy_ms)
 
         await asyncio.gather(*(worker(w) for w in range(streams)))
-    return ttft, errors, hangs
+    return run

@@ -169,7 +169,7 @@ def proxy(
     upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
     rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
     kv_connector: Annotated[Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: contextkit (span reuse with recompute inside vLLM, contextkit.reuse = {} for the calibrated default), cacheblend (LMCache's, {\"policy\": \"kv_deviation\"}), none.")] = None,
-    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer from any address; without it /metrics answers loopback only when clients need keys. Prefer the environment variable: a flag shows in ps.")] = None,
+    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer from any address; required for /metrics when clients need keys (without keys /metrics answers loopback only). Prefer the environment variable: a flag shows in ps.")] = None,
     upstream_events: Annotated[list[str], typer.Option(help="Where each --upstream publishes its KV events (vLLM's --kv-events-config), same order: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT], or none.")] = [],
     route_slack: Annotated[Optional[int], typer.Option(help="Requests in flight above the least loaded upstream past which an upstream's cache no longer attracts requests (default 4).")] = None,
     session_affinity: Annotated[Optional[bool], typer.Option("--session-affinity/--no-session-affinity", help="A conversation cached nowhere goes to its own upstream (rendezvous hash), not the least loaded (default on).")] = None,
@@ -268,6 +268,7 @@ def serve_cmd(
     api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
     allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
     rate_limit: Annotated[str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body is read. 0: no limit.")] = "10/20",
+    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer; required for /metrics when clients need keys (without keys /metrics answers loopback only). Prefer the environment variable: a flag shows in ps.")] = None,
     compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: they are reused exactly after the same prefix and otherwise from the KV their first request computed.")] = True,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
@@ -302,8 +303,8 @@ def serve_cmd(
         _fail(str(exc))
     err.print(f"serving {model} as {served_model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)")
     try:
-        uvicorn.run(create_serve_app(kit, served_model_name, tenancy, limits, engine_threads), host=host, port=port,
-                    log_level="warning", timeout_graceful_shutdown=30)
+        uvicorn.run(create_serve_app(kit, served_model_name, tenancy, limits, engine_threads, metrics_key=metrics_key),
+                    host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
     finally:
         kit.close()
 

@@ -6,8 +6,13 @@ arbitrary paths can neither grow metric memory nor write lines into ``/metrics``
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from contextkit.core.errors import AuthenticationError, PermissionDeniedError
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)  # seconds
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/tokenize", "/detokenize",
@@ -40,3 +45,30 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def check_metrics_access(*, key: str | None, keyed: bool, authorization: bytes | None, client: str) -> None:
+    """Who may read ``/metrics`` (it names every tenant's traffic and, on the proxy, the upstreams):
+
+    - with a metrics ``key``, whoever sends ``Authorization: Bearer <key>``, from any address (401 else);
+    - without one, on a server with API keys (``keyed``), nobody (403): behind a reverse proxy on the same
+      host every client is a loopback peer, so the peer's address says nothing; the operator sets a key;
+    - without one, on an open server (no API keys, which listens on loopback only), loopback peers.
+    """
+    if key:
+        if not hmac.compare_digest(authorization or b"", f"Bearer {key}".encode()):
+            raise AuthenticationError("/metrics needs the metrics key: send `Authorization: Bearer <metrics key>`")
+        return
+    if keyed:
+        raise PermissionDeniedError("/metrics needs a metrics key on a server with API keys (behind a reverse "
+                                    "proxy every client looks local); the operator sets one with --metrics-key "
+                                    "and scrapes with `Authorization: Bearer <metrics key>`")
+    if not _loopback(client):
+        raise PermissionDeniedError("/metrics answers loopback clients only on a server without API keys")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -58,7 +58,14 @@ def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
         "/v1/models": {"get": {"summary": "the served model", "security": [{"bearer": []}],
                                "responses": responses(authed)}},
         "/health": {"get": {"summary": "200 when the server can answer", "responses": responses({})}},
-        "/metrics": {"get": {"summary": "Prometheus text format", "responses": {"200": {"description": "OK"}}}},
+        "/metrics": {"get": {"summary": "Prometheus text format; takes the metrics key (Bearer) where one is set, "
+                                        "and is refused without it on a server with API keys",
+                             "responses": {"200": {"description": "OK"},
+                                           **{k: v for k, v in responses({
+                                               "401": "not the metrics key",
+                                               "403": "no metrics key set (a server with API keys), or a "
+                                                      "non-loopback client of an open server"}).items()
+                                              if k != "200"}}}},
     }
     if server == "serve":
         paths["/tokenize"] = {"post": {

@@ -35,7 +35,7 @@ from contextkit.core.planner import ChatRequest
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.edge.answers import chunk, completion, error_body, error_headers, new_id, sse, usage
-from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access
 from contextkit.integrations.edge.openapi import openapi_schema
 from contextkit.integrations.edge.parse import ClientGone, json_body, parse_chat, read_body, validate
 from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
@@ -79,7 +79,8 @@ class ServeLimits:
 
 
 def create_serve_app(kit: ContextKit, served_name: str = "contextkit", tenancy: Tenancy | None = None,
-                     limits: ServeLimits = ServeLimits(), engine_threads: int | None = None) -> FastAPI:
+                     limits: ServeLimits = ServeLimits(), engine_threads: int | None = None, *,
+                     metrics_key: str | None = None) -> FastAPI:
     """An OpenAI-compatible app over a ``ContextKit`` (its planner, engine and span cache).
 
     ``tenancy`` maps API keys to tenants (None: an open server, one shared tenant): a request's tenant,
@@ -87,9 +88,14 @@ def create_serve_app(kit: ContextKit, served_name: str = "contextkit", tenancy: 
     ``engine_threads``: torch threads of the engine thread (set there, first; None: leave them). Load the
     kit with one torch thread and pass the real count here: once another thread has run a parallel
     region, OpenMP makes the engine thread's forwards ~20% slower (measured: a 1.1k-token bf16 prefill
-    ~450 ms instead of ~370 ms).
+    ~450 ms instead of ~370 ms). ``metrics_key``: what ``/metrics`` takes as ``Bearer`` (required there
+    when ``tenancy`` has keys; ``edge.metrics.check_metrics_access``).
     """
-    return ServeApp(kit, served_name, tenancy or Tenancy(), limits, engine_threads).build()
+    if metrics_key is not None and len(metrics_key) < 16:
+        raise ConfigError("the metrics key must be at least 16 characters")
+    app = ServeApp(kit, served_name, tenancy or Tenancy(), limits, engine_threads)
+    app.metrics_key = metrics_key
+    return app.build()
 
 
 class _EngineWork:
@@ -114,6 +120,7 @@ class ServeApp:
     def __init__(self, kit: ContextKit, served_name: str, tenancy: Tenancy, limits: ServeLimits,
                  engine_threads: int | None):
         self.kit, self.served_name, self.tenancy, self.limits = kit, served_name, tenancy, limits
+        self.metrics_key: str | None = None  # /metrics' key (create_serve_app)
         self.pending: set[Job] = set()  # queued or running on the engine thread (changed on the event loop)
         self._released = threading.Condition()  # notified as jobs leave ``pending`` (wait_settled)
         work = _EngineWork(kit, torch_threads=engine_threads, compile_idle=limits.compile_idle)
@@ -196,7 +203,10 @@ class ServeApp:
         start = functools.partial(self._start_completion, body.prompt, tenant, params)
         return await self._run(start, body, request, "/v1/completions", chat=False, tenant=tenant)
 
-    async def prometheus(self):
+    async def prometheus(self, request: Request):
+        check_metrics_access(key=self.metrics_key, keyed=not self.tenancy.open,
+                             authorization=request.headers.get("authorization", "").encode("latin-1") or None,
+                             client=request.client.host if request.client else "")
         return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
     async def _error(self, request: Request, exc: ContextKitError):

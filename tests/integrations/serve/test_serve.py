@@ -415,3 +415,18 @@ def test_a_key_gets_one_queue_share_however_many_sub_tenants_it_names(served, ap
         more = httpx.post(s.url + "/v1/chat/completions", headers=acme, json=chat("s1", 1, False), timeout=30)
         assert more.status_code == 429 and "sub-tenants" in more.json()["error"]["message"]
         assert int(more.headers["retry-after"]) > 0
+
+
+def test_metrics_take_the_metrics_key_on_a_server_with_api_keys(served, app_thread):
+    """serve's /metrics follows the proxy's rule: with API keys it needs the metrics key, whoever asks
+    (behind a reverse proxy every client is loopback); a tenant's key is not it."""
+    _, kit, _ = served
+    keys = {"key-metrics-0001": "acme"}
+    with app_thread(create_serve_app(kit, "k", Tenancy(keys))) as s:
+        assert httpx.get(s.url + "/metrics").status_code == 403  # no metrics key set: nobody
+    metrics_key = "serve-metrics-key-01"
+    with app_thread(create_serve_app(kit, "k", Tenancy(keys), metrics_key=metrics_key)) as s:
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/metrics", headers={"authorization": "Bearer key-metrics-0001"}).status_code == 401
+        r = httpx.get(s.url + "/metrics", headers={"authorization": f"Bearer {metrics_key}"})
+        assert r.status_code == 200 and "contextkit_serve_requests_total" in r.text
