@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -28,11 +26,8 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from contextkit.core.errors import (
-    AuthenticationError,
     ConfigError,
     ContextKitError,
-    InputError,
-    PermissionDeniedError,
     http_status,
 )
 from contextkit.core.models import resolve_model_dir
@@ -40,13 +35,21 @@ from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.vllm_connector.cacheblend import refuse_unasked_blend
-from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, route_label
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access, route_label
 from contextkit.integrations.edge.answers import error_body, error_headers
 from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
-from contextkit.integrations.proxy.documents import Planning, documents
-from contextkit.integrations.proxy.relay import Upstreams, describe, send_json
+from contextkit.integrations.proxy.documents import documents
+from contextkit.integrations.proxy.planning import Planning
+from contextkit.integrations.proxy.relay import (
+    Upstreams,
+    client_request_id,
+    describe,
+    send_json,
+    upstream_request_id,
+)
 from contextkit.integrations.proxy.routing import Routed, Router, render_keys, session_key
 from contextkit.integrations.proxy.routes import (
+    cap_fan_out,
     check_json,
     not_found_message,
     route_of,
@@ -85,6 +88,15 @@ class ProxyMetrics(ServerMetrics):
                                 ("decision",), registry=self.registry)
         self.stripped = Counter("contextkit_proxy_stripped_fields", "client body fields removed before "
                                 "forwarding (they would reach vLLM's KV connectors)", ("field",), registry=self.registry)
+        self.searches = Counter("contextkit_proxy_event_order_searches", "documents requests ordered by the fleet's "
+                                "KV events, by outcome (found, none, cut: a limit ended the search)", ("outcome",),
+                                registry=self.registry)
+        self.search_scores = Counter("contextkit_proxy_event_order_scores", "candidate documents scored by those "
+                                     "searches", registry=self.registry)
+
+    def event_order(self, search) -> None:
+        self.searches.labels(search.outcome).inc()
+        self.search_scores.inc(search.scores)
 
     def usage(self, usage: dict | None) -> None:
         if usage:
@@ -152,7 +164,10 @@ class ProxyApp:
         self._planner: Planner | None = None
         self._no_tokenizer = False
         self._tasks: list[asyncio.Task] = []
-        self.planning = Planning()  # tokenizing documents is CPU work: off the loop, a few at once
+        # CPU work off the loop (planning.py): plannings and large bodies, shared fairly by tenants; and
+        # routing's key rendering for pass-through requests on a thread of its own, never behind a planning
+        self.planning = Planning()
+        self.routing = Planning(1, name="contextkit-route")
 
     def planner(self) -> Planner:
         """The planner on the upstream model's tokenizer (loaded on the first documents request)."""
@@ -169,6 +184,10 @@ class ProxyApp:
             return None
         t = scope.setdefault("state", {})
         t["t0"] = time.perf_counter()
+        # the id vLLM keys the request by is the proxy's, never a client's (one tenant guessing another's
+        # would share its abort and its log lines); the client's own goes to the access log and back to it
+        t["request_id"] = upstream_request_id()
+        t["client_request_id"] = client_request_id(scope["headers"])
         route = scope["path"]
         try:
             await self.handle(scope, receive, send, t)
@@ -214,24 +233,25 @@ class ProxyApp:
             raw = await read_body(receive, self.settings.max_body_bytes, declared)
             # a large body is parsed off the loop too (8 MiB took ~0.3 s on this 2-core machine, every stream
             # relayed meanwhile would wait); a small one costs less than the hop to a thread
-            parsed = json_body(raw) if len(raw) < PARSE_ON_LOOP else await self.planning.run(json_body, raw)
+            large = len(raw) >= PARSE_ON_LOOP
+            parsed = await self.planning.run(json_body, raw, owner=tenant.name) if large else json_body(raw)
             for name in strip_connector_fields(parsed):
                 self.metrics.stripped.labels(name).inc()
+            if "request_id" in parsed:  # vLLM would key the request by it: the proxy's id replaces it
+                parsed["request_id"] = t["request_id"]
             if route.generates:
-                n = parsed.get("n")
-                if type(n) is int and n > self.settings.max_n:  # a wrong type is vLLM's 400
-                    raise InputError(f"n={n} choices is over this proxy's limit of {self.settings.max_n}; send "
-                                     "several requests, or ask the operator to raise max_n", "n")
+                cap_fan_out(path, parsed, self.settings.max_n)  # by value: "64" and 64.0 count as 64
                 if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
                                                       or "contextkit" in parsed):
                     t["documents"] = True
                     return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive,
                                            send, parsed, t, planning=self.planning)
                 if self.settings.kv_connector == "cacheblend":
-                    await self.planning.run(self.refuse_blend, parsed)
+                    await self.planning.run(self.refuse_blend, parsed, owner=tenant.name)
                 salt_body(route, parsed, lambda own: self.tenancy.cache_salt(tenant, own))
                 routed = await self.place(path, parsed)
-            body = json.dumps(parsed).encode()  # what was checked is what is sent
+            # what was checked is what is sent (a large body serialized off the loop, as it was parsed)
+            body = await self.planning.run(_encode, parsed, owner=tenant.name) if large else _encode(parsed)
         await self.upstreams.passthrough(scope, receive, send, route, body, t, routed)
 
     async def place(self, path: str, body: dict) -> Routed | None:
@@ -242,8 +262,8 @@ class ProxyApp:
         router, salt = self.upstreams.router, body.get("cache_salt")
         keys: tuple[bytes, ...] = ()
         if router.publishing and await self.route_tokenizer() is not None:
-            keys = await self.planning.run(render_keys, path, body, self._planner.tokenizer,
-                                           block_size=self.settings.block_size, salt=salt)
+            keys = await self.routing.run(render_keys, path, body, self._planner.tokenizer,
+                                          block_size=self.settings.block_size, salt=salt)
         choice = router.pick(pool, events=router.held(keys), session=session_key(body, salt), blocks=len(keys))
         return Routed(choice, keys)
 
@@ -252,26 +272,17 @@ class ProxyApp:
         when the proxy cannot load it: requests are then placed without a cache score."""
         if self._planner is None and not self._no_tokenizer:
             try:
-                await self.planning.run(self.planner)
+                await self.routing.run(self.planner)
             except (ContextKitError, OSError) as exc:
                 self._no_tokenizer = True
                 log.warning({"event": "routing without prompt scores", "why": str(exc)})
         return None if self._planner is None else self._planner.tokenizer
 
     def metrics_access(self, scope) -> None:
-        """``/metrics`` names the upstreams and every tenant's traffic: with ``metrics_key`` it takes that
-        key; without one, a proxy with API keys answers it to loopback clients only (a Prometheus on
-        the same host, or a scrape through a tunnel)."""
-        key = self.settings.metrics_key
-        if key:
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
-                raise AuthenticationError("/metrics needs the metrics key: send `Authorization: Bearer <metrics key>`")
-            return
-        client = (scope.get("client") or ("",))[0]
-        if not self.tenancy.open and not _loopback(client):
-            raise PermissionDeniedError("/metrics answers loopback clients only; the operator can set a metrics "
-                                        "key (--metrics-key) to scrape it from elsewhere")
+        """``/metrics``: the metrics key's holder, or on an open proxy loopback peers (``check_metrics_access``)."""
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        check_metrics_access(key=self.settings.metrics_key, keyed=not self.tenancy.open, authorization=auth,
+                             client=(scope.get("client") or ("",))[0])
 
     def refuse_blend(self, body: dict) -> None:
         """A CacheBlend upstream blends any prompt holding its separator: refuse one that did not opt in
@@ -295,29 +306,28 @@ class ProxyApp:
                 for task in self._tasks:
                     task.cancel()
                 self.planning.close()
+                self.routing.close()
                 await self.upstreams.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     @staticmethod
     def log(scope, t: dict) -> None:
-        rid = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
         fwd, first, t0 = t.get("forwarded"), t.get("upstream_first"), t["t0"]
         log.info({"method": scope["method"], "path": route_label(scope["path"]), "status": t.get("status"),
-                  "request_id": rid, "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
+                  "request_id": t.get("client_request_id"), "upstream_request_id": t.get("request_id"),
+                  "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
                   "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
                   "ms_total": round((time.perf_counter() - t0) * 1e3, 3)})
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _encode(body: dict) -> bytes:
+    return json.dumps(body).encode()
 
 
 def _message(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, ContextKitError) else f"proxy error: {describe(exc)}"
+    # an unexpected error's text may name an upstream's address (the log has it whole): its type only
+    return str(exc) if isinstance(exc, ContextKitError) else f"proxy error: {type(exc).__name__}"
 
 
 def create_app(settings: ProxySettings) -> ProxyApp:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from concurrent.futures import ThreadPoolExecutor
 
-from contextkit.core.errors import ConfigError, PromptTooLongError
+from contextkit.core.errors import PromptTooLongError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import FixedOrder, Planner
 from contextkit.core.tenancy import Tenancy
@@ -32,9 +31,19 @@ from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, 
 from contextkit.integrations.edge.answers import chunk, completion, sse
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
-from contextkit.integrations.proxy.relay import UPSTREAM_ERRORS, Upstreams, read_error, send_json, streamed
-from contextkit.integrations.proxy.event_order import event_order
+from contextkit.integrations.proxy.relay import (
+    UPSTREAM_ERRORS,
+    Upstreams,
+    echo_id,
+    proxy_ms,
+    read_error,
+    send_json,
+    streamed,
+    upstream_request_id,
+)
+from contextkit.integrations.proxy.event_order import SearchLimits, event_order
 from contextkit.integrations.proxy.kv_index import prompt_keys
+from contextkit.integrations.proxy.planning import Planning
 from contextkit.integrations.proxy.routing import Choice, Routed, session_key
 from contextkit.integrations.proxy.span_compiler import (
     check_options,
@@ -46,40 +55,11 @@ from contextkit.integrations.proxy.span_compiler import (
 )
 from contextkit.integrations.proxy.upstreams import Upstream
 
-# Plannings at once. Tokenizing is CPU-bound (the tokenizer's Rust core runs without the GIL), so more
-# threads than the cores left over from the event loop only slow each other down, and each planning holds
-# its request's tokens (~75 MB as Python ints for an 8 MiB body); two keep one core for the relay on a small
-# machine and bound that memory; the others wait their turn without holding a thread.
-MAX_PLANNINGS = 2
+ENCODE_ON_LOOP = 32_768  # prompt tokens: a smaller completion body costs less to serialize than a thread hop
 
 
-class Planning:
-    """Runs planner calls on threads of its own, at most ``limit`` at once, off the event loop.
-
-    Threads of its own, not the loop's default executor: that one also resolves upstream host names
-    (aiohttp's resolver), which a few long plannings must not hold up. ``close()`` when the app stops.
-    """
-
-    def __init__(self, limit: int = MAX_PLANNINGS):
-        if limit < 1:
-            raise ConfigError(f"plannings at once must be >= 1, got {limit}")
-        self.limit = limit
-        self._pool = ThreadPoolExecutor(limit, thread_name_prefix="contextkit-plan")
-        self._slots = asyncio.Semaphore(limit)  # waiters queue here, on the loop, cancellable
-        self.running = 0
-
-    async def run(self, fn, /, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on a planning thread, once one of the ``limit`` slots is free."""
-        async with self._slots:
-            self.running += 1
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self._pool,
-                                                                        functools.partial(fn, *args, **kwargs))
-            finally:
-                self.running -= 1
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+def _encode(body: dict) -> bytes:
+    return json.dumps(body).encode()
 
 
 def completion_body(body: dict, chat: ChatBody, plan: RequestPlan, salt: str) -> dict:
@@ -115,7 +95,8 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     """Answer a documents request for ``tenant`` (its key's; errors raised before the response starts are
     the caller's to send). The planner runs on ``planning``'s threads (None: the loop's default executor,
     still off the loop)."""
-    off_loop = planning.run if planning is not None else asyncio.to_thread
+    # the key's tenant owns the planning slots (its sub-tenants share them): fair between keys
+    off_loop = functools.partial(planning.run, owner=tenant.name) if planning is not None else asyncio.to_thread
     connector = ups.settings.kv_connector
     chat, request = parse_chat(body, lambda name: tenancy.resolve(tenant, name), allow_reuse=connector != "none",
                                reuse_default=False)
@@ -143,15 +124,19 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     elif connector == "cacheblend":  # not opted in: the blending upstream must find no separator in it
         refuse_unasked_blend(prompt_ids=plan.ids, separator=ups.settings.cacheblend_separator,
                              separator_ids=ups.blend_separator(planner.tokenizer))
-    payload = json.dumps(out).encode()
-    ups.router.sent(u, routed.keys)
+    # the token ids as JSON: ~0.2 s for 1M ids, so a large prompt is serialized off the loop
+    payload = json.dumps(out).encode() if plan.num_tokens < ENCODE_ON_LOOP else await off_loop(_encode, out)
+    sent = ups.router.sent(u, routed.keys)
     with ups.pool.lease(u):
-        resp = await ups.start(u, "POST", "/v1/completions", {"content-type": "application/json"}, payload, t)
+        rid = t.setdefault("request_id", upstream_request_id())  # the proxy's, never the client's
+        headers = {"content-type": "application/json", "x-request-id": rid}
+        resp = await ups.start(u, "POST", "/v1/completions", headers, payload, t)
+        ups.router.accepted(sent, resp.status)  # vLLM took it (2xx): its KV events are due
         if resp.status != 200:  # the upstream refused the request: its own error, as it is
             status, text = resp.status, await read_error(resp)
             t["status"] = status
             await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})
+                        "headers": [(b"content-type", b"application/json"), *echo_id(t)]})
             await send({"type": "http.response.body", "body": text.encode()})
             return
         if request.reuse is None or (connector == "contextkit" and not spans):  # an exact request (or "full")
@@ -172,7 +157,8 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     if spans:
         reuse = {**reuse, **connector_report(ups, u, chat.model, salt, plan, obj.get("kv_transfer_params"),
                                                  obj.get("usage"))}
-    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)))
+    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)),
+                    [proxy_ms(t)])
 
 
 async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
@@ -190,7 +176,10 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
         return Routed(Choice(pool[0], "single")), plan
     router = ups.router
     depth = router.depth_reader([router.position(u) for u in pool])
-    plans, keys, (alt, alt_keys) = await off_loop(plan_each, planner, request, pool, limits, salt=salt, depth=depth)
+    plans, keys, (alt, alt_keys, search) = await off_loop(plan_each, planner, request, pool, limits, salt=salt,
+                                                          depth=depth, search_limits=ups.search_limits)
+    if search is not None:
+        ups.metrics.event_order(search)
     events, model, scored = {}, {}, {}
     alt_held = router.held(alt_keys) if alt is not None else {}  # the order the fleet's events found
     for at, (u, plan, k) in enumerate(zip(pool, plans, keys)):
@@ -209,11 +198,12 @@ async def place(ups: Upstreams, planner: Planner, request, salt: str, off_loop,
 
 
 def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int | None], *, salt: str,
-              depth=None) -> tuple[list[RequestPlan | None], list[tuple[bytes, ...]], tuple]:
+              depth=None, search_limits: SearchLimits = SearchLimits()
+              ) -> tuple[list[RequestPlan | None], list[tuple[bytes, ...]], tuple]:
     """The request planned with each upstream's Weaver and its prompt's block keys (one plan per distinct
-    order and limit), and (plan, keys) of the order the fleet's events hold deepest (``depth``: the
-    router's reader; None, or no such order: (None, ())). An upstream whose context the prompt does not fit
-    gets None; none fitting raises."""
+    order and limit), and (plan, keys, search) of the order the fleet's events hold deepest (``depth``: the
+    router's reader; None, or no such order: (None, (), the search or None)), searched within
+    ``search_limits``. An upstream whose context the prompt does not fit gets None; none fitting raises."""
     made: dict = {}
     plans, keys = [], []
     error = None
@@ -231,14 +221,14 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
         keys.append(made[order, limit][1])
     if all(p is None for p in plans):
         raise error
-    alt = None
+    alt, search = None, None
     if depth is not None:
         fits = [limit for limit, p in zip(limits, plans) if p is not None]
         limit = min(fits, default=None) if None not in fits else None
-        alt = event_order(planner, request, depth=depth, salt=salt, block_size=planner.block_size,
-                          context_limit=limit)
+        alt, search = event_order(planner, request, depth=depth, salt=salt, block_size=planner.block_size,
+                                  context_limit=limit, limits=search_limits)
     alt_keys = tuple(prompt_keys(alt.ids, block_size=planner.block_size, salt=salt)) if alt is not None else ()
-    return plans, keys, (alt, alt_keys)
+    return plans, keys, (alt, alt_keys, search)
 
 
 def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, plan: RequestPlan,
@@ -286,7 +276,8 @@ async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan,
     """Relay a streamed completion as chat chunks (``relay.streamed`` handles hang-ups and failures)."""
     t["status"] = 200
     await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), proxy_ms(t),
+                            *echo_id(t)]})
     seen: set[int] = set()
     async with streamed(u, resp, receive, send) as stream:
         async for raw in resp.content:  # lines

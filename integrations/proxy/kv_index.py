@@ -37,18 +37,20 @@ def block_key(parent: bytes | None, tokens: Sequence[int], extra: Sequence | Non
     return h.digest()
 
 
-def prompt_keys(ids: Sequence[int], *, block_size: int, salt: str | None) -> list[bytes]:
+def prompt_keys(ids: Sequence[int], *, block_size: int, salt: str | None, parent: bytes | None = None) -> list[bytes]:
     """The keys of a prompt's full blocks as a server that cached it under ``salt`` names them (what
-    ``block_key`` gives block by block, with the prompt's bytes made once)."""
+    ``block_key`` gives block by block, with the prompt's bytes made once). ``parent``: the key of the block
+    before ``ids[0]`` when ``ids`` continue a prompt from a block boundary (the salt is in that chain
+    already); None: ``ids`` start the prompt."""
     n = len(ids) // block_size
     data = memoryview(array.array("q", ids[: n * block_size]).tobytes())
     step = 8 * block_size
     keys: list[bytes] = []
-    parent = _ROOT
+    first, parent = parent is None, parent or _ROOT
     for i in range(n):
         h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
         h.update(data[i * step : (i + 1) * step])
-        if i == 0 and salt:
+        if i == 0 and first and salt:
             h.update(json.dumps([salt], separators=(",", ":")).encode())
         parent = h.digest()
         keys.append(parent)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import secrets
 import time
 
 import aiohttp
@@ -18,6 +20,7 @@ import yarl
 
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
+from contextkit.integrations.proxy.event_order import SearchLimits
 from contextkit.integrations.proxy.routes import Route, scrub_answer
 from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings
@@ -25,20 +28,52 @@ from contextkit.integrations.proxy.span_compiler import SpanCompiler
 from contextkit.integrations.proxy.upstreams import Upstream, UpstreamPool
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
-# the client's key is for us (the upstream gets its own); its Content-Type is the proxy's to set
-NOT_FORWARDED = HOP | {b"authorization", b"content-type"}
+# the client's key is for us (the upstream gets its own); its Content-Type is the proxy's to set; the
+# request id vLLM keys the request by is the proxy's (``upstream_request_id``)
+NOT_FORWARDED = HOP | {b"authorization", b"content-type", b"x-request-id"}
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)  # what talking to an upstream can raise
+MAX_CLIENT_ID = 128  # characters of a client's x-request-id kept for its log line and echo
+log = logging.getLogger("contextkit.proxy")
 
 
 def describe(exc: BaseException) -> str:
+    """An exception for the log (it may name an upstream's address: never put it in an answer)."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def upstream_request_id() -> str:
+    """A request id of the proxy's own, the one vLLM sees (header and body): unguessable, so no client can
+    name another's request to vLLM."""
+    return "ctxk-" + secrets.token_hex(12)
+
+
+def client_request_id(headers) -> str | None:
+    """The client's ``x-request-id`` (printable ASCII, cut to ``MAX_CLIENT_ID``), for its log line and echo."""
+    raw = next((v for k, v in headers if k == b"x-request-id"), None)
+    if raw is None:
+        return None
+    text = raw.decode("latin-1")[:MAX_CLIENT_ID]
+    return text if text.isascii() and text.isprintable() else None
+
+
+def proxy_ms(t: dict) -> tuple[bytes, bytes]:
+    """The proxy's own time on a request, arrival to forwarding upstream (the ``x-contextkit-proxy-ms``
+    header of every answer the upstream gave)."""
+    return b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)
+
+
+def echo_id(t: dict) -> list[tuple[bytes, bytes]]:
+    """The client's request id back to it, if it sent one."""
+    rid = t.get("client_request_id")
+    return [(b"x-request-id", rid.encode())] if rid else []
 
 
 async def send_json(send, t: dict, status: int, obj: dict, headers: list | None = None) -> None:
     body = json.dumps(obj).encode()
     t["status"] = status
     await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or ())]})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *echo_id(t),
+        *(headers or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -53,7 +88,7 @@ async def read_error(resp: aiohttp.ClientResponse) -> str:
     try:
         return (await resp.content.read(500)).decode(errors="replace")
     except UPSTREAM_ERRORS as exc:
-        return describe(exc)
+        return type(exc).__name__  # its text may name the upstream's address
     finally:
         resp.close()
 
@@ -69,6 +104,8 @@ class Upstreams:
         self.session: aiohttp.ClientSession | None = None
         self._model_len: dict[str, int | None] = {}
         self.compiler = SpanCompiler(self._post_json, settings.span_compiles, registry=metrics.registry)
+        self.search_limits = SearchLimits(max_scores=settings.event_order_scores,
+                                          deadline_s=settings.event_order_deadline_ms / 1e3)
         self._separator: list[int] | None = None
 
     def blend_separator(self, tokenizer) -> list[int]:
@@ -108,7 +145,10 @@ class Upstreams:
             return UpstreamTimeoutError(f"upstream {u.name} did not answer within {self.settings.timeout_s:.0f} s; "
                                         "raise --timeout-s or check the server's load")
         self.pool.mark_failed(u)
-        return UpstreamError(f"upstream {u.name} failed: {describe(exc)}; it is out of rotation until its "
+        # aiohttp's text names the host and port ("Cannot connect to host H:P"): the log has it, the answer
+        # names the upstream (upstreams.py: the URL is the operator's)
+        log.warning({"event": "upstream failed", "upstream": u.name, "url": u.url, "error": describe(exc)})
+        return UpstreamError(f"upstream {u.name} failed ({type(exc).__name__}); it is out of rotation until its "
                              "/health answers")
 
     def least_loaded(self) -> Upstream:
@@ -165,14 +205,16 @@ class Upstreams:
         the client's headers but for hop-by-hop ones, its key and its Content-Type."""
         u = routed.choice.upstream if routed is not None else self.least_loaded()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
+        headers["x-request-id"] = t.setdefault("request_id", upstream_request_id())
         if body is not None:
             headers["content-type"] = "application/json"
-        if routed is not None:
-            self.router.sent(u, routed.keys)
+        sent = self.router.sent(u, routed.keys) if routed is not None else None
         with self.pool.lease(u):
             resp = await self.start(u, route.method, route.path, headers, body, t)
-            out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP]
-            out.append((b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)))
+            self.router.accepted(sent, resp.status)  # vLLM took it (2xx): its KV events are due
+            out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP and k.lower() != b"x-request-id"]
+            out += echo_id(t)
+            out.append(proxy_ms(t))
             if routed is not None:
                 out += [(b"x-contextkit-upstream", u.name.encode()), (b"x-contextkit-route", routed.choice.rule.encode())]
             if "text/event-stream" in resp.headers.get("content-type", ""):
@@ -218,7 +260,8 @@ async def streamed(u: Upstream, resp: aiohttp.ClientResponse, receive, send):
         yield state
     except (*UPSTREAM_ERRORS, ValueError) as exc:  # ValueError: an upstream event that is not JSON
         if not watcher.done():  # the upstream failed, not the client
-            event = sse(error_body(UpstreamError(f"upstream {u.name} failed mid-stream: {describe(exc)}")))
+            log.warning({"event": "upstream failed mid-stream", "upstream": u.name, "error": describe(exc)})
+            event = sse(error_body(UpstreamError(f"upstream {u.name} failed mid-stream ({type(exc).__name__})")))
             await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
         watcher.cancel()

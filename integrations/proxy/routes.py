@@ -122,6 +122,56 @@ def salt_body(route: Route, body: dict, salt_of) -> None:
         body["store"] = False
 
 
+def _count(value, name: str) -> int:
+    """A count as vLLM's models would read it (pydantic's lax int: ``64``, ``64.0``, ``"64"``), or
+    ``InputError``: the proxy checks the value vLLM will act on, not the JSON type it came as."""
+    if isinstance(value, bool):
+        raise InputError(f"{name} must be an integer, not a boolean", name)
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        n = int(value.strip())
+    else:
+        raise InputError(f"{name} must be an integer, got {str(value)[:40]!r}", name)
+    if n < 1:
+        raise InputError(f"{name} must be at least 1, got {n}", name)
+    return n
+
+
+def prompts_of(path: str, body: dict) -> int:
+    """How many prompts one request asks vLLM to run: a completion's list of prompts (strings or token-id
+    lists), the batch route's list of conversations; 1 otherwise."""
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
+            return len(prompt)  # a list of strings or of token-id lists: one prompt each
+    elif path == "/v1/chat/completions/batch":
+        messages = body.get("messages")
+        if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
+            return len(messages)
+    return 1
+
+
+def cap_fan_out(path: str, body: dict, max_n: int) -> int:
+    """Check what a generation request fans out to: its choices in all, prompts x ``n`` (and ``best_of``
+    where vLLM takes it), at most ``max_n``; the body's counts are rewritten as the integers checked, so
+    what vLLM reads is what was counted. Raises ``InputError`` (422) past the cap or for a count that is
+    no integer. Returns the choices."""
+    counts = {}
+    for name in ("n", "best_of"):
+        if body.get(name) is not None:
+            counts[name] = body[name] = _count(body[name], name)
+    prompts = prompts_of(path, body)
+    choices = prompts * max(counts.values(), default=1)
+    if choices > max_n:
+        what = f"{prompts} prompts x n={counts.get('n', 1)}" if prompts > 1 else f"n={max(counts.values())}"
+        raise InputError(f"{what} is {choices} choices, over this proxy's limit of {max_n} per request; send "
+                         "several requests, or ask the operator to raise max_n", "n")
+    return choices
+
+
 def scrub_answer(content: bytes) -> bytes:
     """A non-streamed answer without the connectors' echo (``kv_transfer_params``: what the connector
     loaded, an 'is this stored' oracle no client needs; ``ec_transfer_params``). vLLM sends them only

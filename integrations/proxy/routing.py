@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from contextkit.integrations.proxy.upstreams import Upstream
 
 log = logging.getLogger("contextkit.proxy")
+MAX_ROUTED_BLOCKS = 8192  # leading blocks of a pass-through prompt scored and expected (262k tokens at 32)
 RETRY_S = 5.0  # a subscriber that failed (a bad endpoint) tries again after this long
 
 
@@ -284,7 +285,9 @@ def render_keys(path: str, body: dict, tokenizer, *, block_size: int, salt: str 
         ids = prompt_ids(path, body, tokenizer)
     except Exception:  # noqa: BLE001 - a template that rejects the messages: vLLM answers it, routing must not
         return ()
-    return tuple(prompt_keys(ids, block_size=block_size, salt=salt)) if ids else ()
+    # a prompt past any served context is refused by vLLM: its keys beyond that place nothing, and each one
+    # costs the event loop an index write when the request is sent (Router.sent)
+    return tuple(prompt_keys(ids[: MAX_ROUTED_BLOCKS * block_size], block_size=block_size, salt=salt)) if ids else ()
 
 
 # fields with which vLLM renders a chat differently from the model's default template

@@ -20,6 +20,7 @@ from contextkit.integrations.proxy.routing import render_keys
 
 BS = 32
 SMALL_BLOCKS = 64
+METRICS_KEY = "Bearer fleet-metrics-key-0001"  # the proxy has API keys: /metrics needs its own key
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def fleet(vllm_url, vllm_events, fleet_vllm, config, app_thread):
 
     settings = ProxySettings(upstreams=[vllm_url, fleet_vllm[0]], upstream_events=[",".join(vllm_events), fleet_vllm[1]],
                              cache_dir=config.cache_dir, timeout_s=120, secret=uuid.uuid4().hex,
-                             api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"}, session_affinity=False)
+                             api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"}, session_affinity=False,
+                             metrics_key=METRICS_KEY[len("Bearer "):])
     with app_thread(create_app(settings)) as p:
         router = p.app.upstreams.router
         until(lambda: all(v.running for v in router.views))
@@ -100,7 +102,7 @@ def test_a_conversations_next_turn_goes_where_its_prefix_is(fleet, passage_text)
     r2 = chat(url, "key-fleet-a-000001", turn)
     assert r2.headers["x-contextkit-upstream"] == went and r2.headers["x-contextkit-route"] == "events"
     assert cached(r2) >= 8 * BS  # and the server did reuse the first turn's prefix
-    metrics = httpx.get(url + "/metrics", timeout=30).text  # loopback: no metrics key needed
+    metrics = httpx.get(url + "/metrics", headers={"authorization": METRICS_KEY}, timeout=30).text
     fresh = [line for line in metrics.splitlines() if line.startswith("contextkit_proxy_upstream_events_fresh{")]
     assert len(fresh) == 2 and all(line.endswith(" 1.0") for line in fresh)
     assert 'contextkit_proxy_routing_decisions_total{rule="events"} 1.0' in metrics
@@ -178,7 +180,7 @@ def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, fleet_vllm,
     assert r.status_code == 200, r.text
     until(lambda: len(view.index) == 3, what=lambda: f"{len(view.index)} {view.feed.counts}")
     assert view.index.held_prefix(prompt_keys(ids, block_size=BS, salt=salt)) == 3
-    metrics = httpx.get(url + "/metrics", timeout=30).text  # loopback: no metrics key needed
+    metrics = httpx.get(url + "/metrics", headers={"authorization": METRICS_KEY}, timeout=30).text
     assert f'contextkit_proxy_upstream_indexed_blocks{{upstream="{small}"}} 3.0' in metrics
     counted = [line for line in metrics.splitlines() if line.startswith("contextkit_proxy_kv_events_total{")
                and 'kind="restarts"' in line and f'upstream="{small}"' in line]

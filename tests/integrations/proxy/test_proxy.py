@@ -586,7 +586,7 @@ def test_the_proxy_keeps_relaying_while_a_documents_request_is_planned(vllm_url,
 def test_plannings_run_off_the_loop_at_most_limit_at_once():
     import asyncio
 
-    from contextkit.integrations.proxy.documents import Planning
+    from contextkit.integrations.proxy.planning import Planning
 
     gate, two_in = threading.Event(), threading.Event()
     lock, inside, most = threading.Lock(), [0], [0]
@@ -613,3 +613,97 @@ def test_plannings_run_off_the_loop_at_most_limit_at_once():
 
     asyncio.run(scenario())
     assert most[0] == 2
+
+
+def test_a_freed_planning_slot_goes_to_the_tenant_with_fewest_running():
+    """One tenant's queued plannings do not starve another's: when a slot frees, the waiting call of the
+    owner with the fewest calls running takes it, whoever queued first."""
+    import asyncio
+
+    from contextkit.integrations.proxy.planning import Planning
+
+    gates = {name: threading.Event() for name in ("a1", "a2", "a3", "a4", "b1")}
+    started: list[str] = []
+
+    def work(name: str) -> str:
+        started.append(name)
+        gates[name].wait(60)
+        return name
+
+    async def scenario():
+        planning = Planning(limit=2)
+        tasks = {n: asyncio.create_task(planning.run(work, n, owner="a")) for n in ("a1", "a2", "a3", "a4")}
+        while planning.waiting("a") < 2:
+            await asyncio.sleep(0)  # a3 and a4 queue behind a1 and a2
+        tasks["b1"] = asyncio.create_task(planning.run(work, "b1", owner="b"))
+        while planning.waiting("b") < 1:
+            await asyncio.sleep(0)
+        gates["a1"].set()
+        assert await tasks["a1"] == "a1"
+        while len(started) < 3:
+            await asyncio.sleep(0.01)
+        assert started[2] == "b1"  # b had none running: it goes before a's queued a3 and a4
+        for g in gates.values():
+            g.set()
+        assert await asyncio.gather(*tasks.values()) == list(tasks)
+        assert planning.running == 0 and planning.waiting() == 0
+        planning.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_tenants_plannings_do_not_hold_up_another_tenants_routing(vllm_url, vllm_events, config, app_thread,
+                                                                      smol_dir):
+    """Tenant A's two large documents requests hold both planning slots (held at the tokenizer); tenant B's
+    small completion, routed by the fleet's KV events (its prompt's block keys rendered on the routing
+    thread), is answered meanwhile (before the fix it waited for a planning slot); A's are then answered."""
+    from contextkit.core.planner import Planner
+    from contextkit.integrations.proxy.app import ProxyApp
+
+    tok = _gated_tokenizer(smol_dir)
+    planner = Planner(tok, block_size=32)
+    entered = threading.Semaphore(0)
+    encode = tok.encode
+
+    def counting_encode(text, add_special_tokens=False):  # the real tokenizer, counting gated entries
+        if GATE in text:
+            entered.release()
+        return encode(text, add_special_tokens)
+
+    tok.encode = counting_encode
+
+    class GatedProxy(ProxyApp):
+        def planner(self) -> Planner:
+            return planner
+
+    keys = {"key-plan-a-0001": "a", "key-plan-b-0001": "b"}
+    events = ",".join(vllm_events)
+    settings = ProxySettings(upstreams=[vllm_url, vllm_url], upstream_events=[events, events],
+                             cache_dir=config.cache_dir, timeout_s=120, api_keys=keys, session_affinity=False)
+    a, b = ({"authorization": f"Bearer {k}"} for k in keys)
+    with app_thread(GatedProxy(settings)) as p:
+        model = httpx.get(p.url + "/v1/models", headers=b).json()["data"][0]["id"]
+        docs = [{"id": f"d{i}", "text": f"Entry {i} of the ledger."} for i in range(60)]
+        answers: list = []
+
+        def send_a(tag: str) -> None:
+            body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Which entry?"}],
+                    "documents": [*docs, {"id": f"gate-{tag}", "text": f"{GATE} {tag}"}]}
+            answers.append(httpx.post(p.url + "/v1/chat/completions", json=body, headers=a, timeout=300))
+
+        senders = [threading.Thread(target=send_a, args=(tag,)) for tag in ("one", "two")]
+        for s in senders:
+            s.start()
+        try:
+            assert entered.acquire(timeout=120) and entered.acquire(timeout=120)  # both of A's held
+            assert p.app.planning.running == 2  # every planning slot is A's
+            small = {"model": model, "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 1}
+            r = httpx.post(p.url + "/v1/chat/completions", json=small, headers=b, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-contextkit-route"] in ("events", "least_loaded")  # placed, with rendered keys
+            assert not tok.gate.is_set() and all(s.is_alive() for s in senders)  # while A's were still held
+        finally:
+            tok.gate.set()
+            for s in senders:
+                s.join(300)
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]

@@ -20,6 +20,8 @@ from contextkit.integrations.proxy.routes import ROUTES
 pytestmark = pytest.mark.slow
 KEYS = {"key-acme-0001": "acme", "key-globex-01": "globex"}
 ACME, GLOBEX = ({"authorization": f"Bearer {k}"} for k in KEYS)
+METRICS_KEY = "metrics-key-0000000001"
+SCRAPE = {"authorization": f"Bearer {METRICS_KEY}"}
 # what a client would try to hand vLLM's KV connector: an unsalted namespace, approximate KV under its salt
 HOSTILE = {"kv_transfer_params": {"contextkit": {"mode": "pic", "salt": "", "spans": [[0, 4]]}},
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"kv_transfer_params": "x", "ec_transfer_params": "y",
@@ -37,7 +39,7 @@ def keyed(recorder, config, app_thread):
     """A proxy with two tenants' keys in front of the recording hop (a secret no other run warmed)."""
     rec, hop = recorder
     settings = ProxySettings(upstreams=[hop], cache_dir=config.cache_dir, timeout_s=120, api_keys=KEYS,
-                             secret=uuid.uuid4().hex)
+                             secret=uuid.uuid4().hex, metrics_key=METRICS_KEY)
     with app_thread(create_app(settings)) as p:
         yield p, rec
 
@@ -83,7 +85,7 @@ def test_no_client_field_reaches_the_kv_connector(keyed):
     assert r.status_code == 200, r.text
     sent = json.loads(rec.seen[-1]["body"])
     assert "kv_transfer_params" not in sent and "ec_transfer_params" not in sent
-    stripped = httpx.get(p.url + "/metrics").text
+    stripped = httpx.get(p.url + "/metrics", headers=SCRAPE).text
     assert 'contextkit_proxy_stripped_fields_total{field="vllm_xargs.kv_transfer_params"}' in stripped
 
 
@@ -146,12 +148,80 @@ def test_odd_content_types_skip_nothing(keyed, headers, status):
 
 
 def test_n_is_limited_on_every_generation_route(keyed):
+    """n is capped by the value vLLM reads (its models coerce "64" and 64.0), and so are the choices of one
+    request in all: a completion's list of prompts or the batch route's conversations times n."""
     p, rec = keyed
     rec.seen.clear()
     for path, body in _bodies("smol", "Hi").items():
-        r = httpx.post(p.url + path, json={**body, "n": 1000}, headers=ACME, timeout=30)
-        assert r.status_code == 422 and r.json()["error"]["param"] == "n", path
+        for n in (1000, "64", 64.0, " 17 "):
+            r = httpx.post(p.url + path, json={**body, "n": n}, headers=ACME, timeout=30)
+            assert r.status_code == 422 and r.json()["error"]["param"] == "n", (path, n)
+        for n in ("two", 2.5, True, 0):
+            r = httpx.post(p.url + path, json={**body, "n": n}, headers=ACME, timeout=30)
+            assert r.status_code == 422 and "n must be" in r.json()["error"]["message"], (path, n)
+    fan_out = {"/v1/completions": {"prompt": ["Hi"] * 9, "n": 2},  # 18 choices over max_n 16
+               "/v1/completions ids": {"prompt": [[1, 2]] * 17},
+               "/v1/chat/completions/batch": {"messages": [[{"role": "user", "content": "Hi"}]] * 6, "n": "3"}}
+    for name, extra in fan_out.items():
+        path = name.split()[0]
+        r = httpx.post(p.url + path, json={**_bodies("smol", "Hi")[path], **extra}, headers=ACME, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "n", (name, r.text)
     assert rec.seen == []
+    # within the cap, a count sent as a string reaches vLLM as the integer that was checked
+    body = {**_bodies("smol", "Hi")["/v1/completions"], "prompt": ["Hi", "Yo"], "n": "2"}
+    assert httpx.post(p.url + "/v1/completions", json=body, headers=ACME, timeout=120).status_code == 200
+    assert json.loads(rec.seen[-1]["body"])["n"] == 2
+
+
+def test_request_ids_are_the_proxys(keyed):
+    """vLLM keys a request by its id: the client's X-Request-Id header and body request_id never reach it
+    (each request gets a fresh id of the proxy's); the client gets its own id back."""
+    p, rec = keyed
+    ids = set()
+    for path, body in (("/v1/completions", {**_bodies("smol", "Hi")["/v1/completions"], "request_id": "victim-id"}),
+                       ("/v1/chat/completions", {**_bodies("smol", "Where?")["/v1/chat/completions"],
+                                                 "documents": [{"text": "In Rome."}]})):  # takes no request_id
+        for _ in range(2):
+            rec.seen.clear()
+            r = httpx.post(p.url + path, json=body, headers={**ACME, "x-request-id": "victim-id"}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-request-id"] == "victim-id"  # the client's own, echoed
+            sent = rec.seen[-1]
+            upstream_id = sent["headers"].get("x-request-id") or sent["headers"].get("X-Request-Id")
+            assert upstream_id and "victim" not in upstream_id, path
+            assert json.loads(sent["body"]).get("request_id", upstream_id) == upstream_id
+            assert "victim" not in r.json()["id"]
+            ids.add(upstream_id)
+    assert len(ids) == 4  # one per request, never reused
+
+
+def test_a_connection_error_names_the_upstream_not_its_address(config, app_thread):
+    """An upstream that passed its health check and then went away: the 502 names it as upstream-0, never by
+    the host:port aiohttp's error text holds (the log has that)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    with app_thread(create_app(ProxySettings(upstreams=[url], cache_dir=config.cache_dir, api_keys=KEYS,
+                                             health_interval_s=3600))) as p:
+        assert p.app.upstreams.pool.upstreams[0].healthy  # it answered /health at start
+        srv.shutdown()
+        srv.server_close()  # nothing listens there now: the next request's connect is refused
+        r = httpx.post(p.url + "/v1/completions", json=_bodies("smol", "Hi")["/v1/completions"], headers=ACME,
+                       timeout=60)
+    assert r.status_code == 502 and "upstream-0" in r.json()["error"]["message"], r.text
+    assert str(srv.server_port) not in r.text and "127.0.0.1" not in r.text
 
 
 def test_stored_responses_are_not_reachable(keyed):
@@ -169,22 +239,27 @@ def test_stored_responses_are_not_reachable(keyed):
 
 
 def test_metrics_and_upstream_urls_stay_the_operators(keyed, config):
-    """/metrics takes the metrics key, or answers loopback clients only; no answer names an upstream URL."""
+    """/metrics takes the metrics key from any address; a proxy with API keys and no metrics key answers it
+    to nobody (behind a reverse proxy every client is loopback); an open proxy answers loopback peers only.
+    No answer names an upstream URL."""
     p, rec = keyed
-    metrics_key = "m" * 24
-    with_key = create_app(ProxySettings(upstreams=["http://127.0.0.1:9"], cache_dir=config.cache_dir, api_keys=KEYS,
-                                        metrics_key=metrics_key))
+    keyed_no_metrics_key = create_app(ProxySettings(upstreams=["http://127.0.0.1:9"], cache_dir=config.cache_dir,
+                                                    api_keys=KEYS))
+    open_proxy = create_app(ProxySettings(upstreams=["http://127.0.0.1:9"], cache_dir=config.cache_dir))
 
-    async def remote(app, headers=None) -> int:  # a client from another host
-        transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
+    async def scrape(app, client: str, headers=None) -> int:
+        transport = httpx.ASGITransport(app=app, client=(client, 40000))
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
             return (await c.get("/metrics", headers=headers)).status_code
 
-    assert asyncio.run(remote(p.app)) == 403
-    assert httpx.get(p.url + "/metrics").status_code == 200  # loopback
-    assert asyncio.run(remote(with_key)) == 401
-    assert asyncio.run(remote(with_key, ACME)) == 401  # a tenant's key is not the metrics key
-    assert asyncio.run(remote(with_key, {"authorization": f"Bearer {metrics_key}"})) == 200
+    assert asyncio.run(scrape(keyed_no_metrics_key, "127.0.0.1")) == 403  # loopback is no credential here
+    assert asyncio.run(scrape(keyed_no_metrics_key, "10.1.2.3")) == 403
+    assert asyncio.run(scrape(open_proxy, "127.0.0.1")) == 200
+    assert asyncio.run(scrape(open_proxy, "10.1.2.3")) == 403
+    assert httpx.get(p.url + "/metrics").status_code == 401  # loopback, no key
+    assert httpx.get(p.url + "/metrics", headers=ACME).status_code == 401  # a tenant's key is not the metrics key
+    assert asyncio.run(scrape(p.app, "10.1.2.3", SCRAPE)) == 200
+    assert httpx.get(p.url + "/metrics", headers=SCRAPE).status_code == 200
     r = httpx.post(p.url + "/v1/chat/completions", headers=ACME, timeout=120, json={
         **_bodies("smol", "Where?")["/v1/chat/completions"], "documents": [{"text": "In Rome."}]})
     assert r.json()["contextkit"]["upstream"] == "upstream-0"

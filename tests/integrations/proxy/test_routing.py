@@ -241,9 +241,10 @@ def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, pass
         return max(fleet.held_prefixes(k).values(), default=0)
 
     later = ChatRequest((Message("user", "And who is named last?"),), docs[::-1], ordering="weaver")
-    plan = event_order(planner, later, depth=depth, salt="s", block_size=32)
+    plan, search = event_order(planner, later, depth=depth, salt="s", block_size=32)
     assert [plan.document_ids[i] for i in range(5)] == [f"d{i}" for i in sent]
     assert plan.expected_cached_tokens >= len(keys) * 32 - 2 * 32  # all but the question's blocks
-    assert event_order(planner, later, depth=depth, salt="other-tenant", block_size=32) is None
+    assert search.outcome == "found" and search.scores <= 5 + 4 + 3 + 2
+    assert event_order(planner, later, depth=depth, salt="other-tenant", block_size=32)[0] is None
     kept = ChatRequest(later.messages, later.documents, ordering="retrieval")
-    assert event_order(planner, kept, depth=depth, salt="s", block_size=32) is None  # the client's order stands
+    assert event_order(planner, kept, depth=depth, salt="s", block_size=32)[0] is None  # the client's order stands
