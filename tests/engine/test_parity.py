@@ -1,8 +1,8 @@
 """The built-in engine against transformers, and against itself under re-chunking and re-positioning.
 
-Real models: SmolLM2-135M (Llama) and Gemma 3 270M (sliding-window + global layers, per-layer RoPE
-base), on real text. Tiny random checkpoints cover Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Llama
-with llama3 / linear RoPE scaling. Tolerance: fp32 max |logit diff| <= 1e-3.
+Real models: SmolLM2-135M (Llama), Gemma 3 270M (sliding-window + global layers, per-layer RoPE
+base) and Qwen2.5-Coder-0.5B (Qwen2: q/k/v bias, GQA 14/2, RoPE base 1e6), on real text. Tiny random
+checkpoints cover Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Llama with llama3 / linear RoPE scaling. Tolerance: fp32 max |logit diff| <= 1e-3.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 
 from contextkit.engine.model import Engine
 
-pytestmark = pytest.mark.slow  # both models against transformers, layer by layer: make test, not test-fast
+pytestmark = pytest.mark.slow  # the real models against transformers, layer by layer: make test, not test-fast
 
 TOL = 1e-3
-REAL = ["smollm2", "gemma3"]
+REAL = ["smollm2", "gemma3", "qwen2.5"]
+REAL_DIRS = {"smollm2": "smol_dir", "gemma3": "gemma_dir", "qwen2.5": "qwen_dir"}
 TINY = ["llama3-scaled", "llama-linear", "qwen2", "qwen3"]
 
 
@@ -29,9 +30,9 @@ def family(request, smol_dir, tiny_dirs, passage_text):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if name in REAL:
-            d = smol_dir if name == "smollm2" else request.getfixturevalue("gemma_dir")
+            d = smol_dir if name == "smollm2" else request.getfixturevalue(REAL_DIRS[name])
             # Gemma: 700 tokens so that sliding-window layers (window 512) actually cut
-            n = 300 if name == "smollm2" else 700
+            n = 700 if name == "gemma3" else 300
             ids = AutoTokenizer.from_pretrained(str(d))(passage_text)["input_ids"][:n]
         else:
             d = tiny_dirs[name]

@@ -29,3 +29,21 @@ def test_an_explicit_dtype_is_kept_and_a_wrong_one_refused(monkeypatch):
     assert _dtype_arg(VLLMServer(VLLMServerConfig(model_dir=Path("/m"), dtype="bfloat16"))) == "bfloat16"
     with pytest.raises(ConfigError, match="dtype must be one of"):
         VLLMServerConfig(model_dir=Path("/m"), dtype="bf16")
+
+
+@pytest.mark.slow  # a second vLLM server, on Qwen2.5-Coder-0.5B (~2.5 GB of float32 weights)
+@pytest.mark.vllm
+def test_vllm_cpu_serves_the_prepared_qwen_dir(qwen_dir, tmp_path):
+    """The directory `contextkit models prepare qwen2.5-coder-0.5b-instruct` writes loads in vllm-cpu as
+    it is (no GGUF kernel asked for, the tokenizer and chat template found) and answers."""
+    import httpx
+
+    cfg = VLLMServerConfig(model_dir=qwen_dir, served_name="qwen", max_model_len=2048, kv_cache_gib=1,
+                           log_file=tmp_path / "vllm.log")
+    with VLLMServer(cfg) as server:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "qwen", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert "Paris" in body["choices"][0]["text"], body
+        assert body["usage"]["prompt_tokens"] == 5
