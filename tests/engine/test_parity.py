@@ -2,7 +2,8 @@
 
 Real models: SmolLM2-135M (Llama), Gemma 3 270M (sliding-window + global layers, per-layer RoPE
 base) and Qwen2.5-Coder-0.5B (Qwen2: q/k/v bias, GQA 14/2, RoPE base 1e6), on real text. Tiny random
-checkpoints cover Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Llama with llama3 / linear RoPE scaling. Tolerance: fp32 max |logit diff| <= 1e-3.
+checkpoints cover Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Llama with llama3 / linear RoPE scaling.
+Tolerance: fp32 max |logit diff| <= 1e-3.
 """
 
 from __future__ import annotations
