@@ -66,12 +66,15 @@ from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, pe
 from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
 from contextkit.core.errors import ConfigError, UpstreamError
+from contextkit.integrations.vllm_connector.wire import RequestOptions
 
 ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
         "local prefix hit (floor)", "connector, second server", "span compile (first pass)", "span reuse (pic)",
         "span reuse, recompute last span", *recompute.ROWS)
 TF_ROWS = ("full prefill (cold)", "prefix caching", "span reuse (pic)", *recompute.ROWS)  # teacher-forced
 SECOND_PLAIN, SECOND_SAVING = "prefix caching (2nd pair)", "prefix caching, connector saving (2nd pair)"
+OFF = RequestOptions(mode="off").encode()  # a measured full prefill: the connector neither loads nor saves
+SPAN = RequestOptions(mode="span").encode()  # a span compiled alone at position 0
 
 
 def _post(url: str, body: dict, timeout_s: float = 600) -> tuple[float, dict]:
@@ -221,7 +224,7 @@ class _Rows:
 def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redis_url: str) -> float:
     """The cold, prefix-caching and connector rows (A restarted between them); the saved share."""
     salt = m.salt
-    off = {"contextkit": {"mode": "off"}}
+    off = OFF
     m.measure("full prefill (cold)", srv.a.url, lambda i, p: _body(p, f"{salt}-cold-{i}", off))
     m.force("full prefill (cold)", srv.a.url, lambda i, p: _body(p, f"{salt}-cold-{i}", off))
     m.measure("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
@@ -242,7 +245,7 @@ def _second_pair(m: _Rows, url: str) -> None:
     """The plain / saving pair once more, under fresh tenants, last (its saves, ~1 GB for 24 1k-token
     prompts, would crowd the earlier rows' out of the save queue): ``saving_vs_prefix`` averages both pairs,
     since one pair of 24-request medians drifted 0.81-1.05 between runs of the same code on this machine."""
-    off = {"contextkit": {"mode": "off"}}
+    off = OFF
     m.measure(SECOND_PLAIN, url, lambda i, p: _body(p, f"{m.salt}-plain-2", off))
     m.measure(SECOND_SAVING, url, lambda i, p: _body(p, f"{m.salt}-saving-2"))
 
@@ -277,7 +280,7 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
                 if (s, e) in saved:  # the connector saved it out of this request: no compile needed
                     continue
                 _post(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
-                            "kv_transfer_params": {"contextkit": {"mode": "span"}}})
+                            "kv_transfer_params": SPAN})
         m.tick("span compile (first pass)")
     span_share = wait_saved(spans=compiled)
     if not reset_prefix_cache(url):

@@ -25,12 +25,13 @@ from collections.abc import Callable
 
 from contextkit.bench.fidelity import top_kl
 from contextkit.bench.harness import median, percentile
+from contextkit.integrations.vllm_connector.wire import RequestOptions
 
 RECOMPUTE = "span reuse, recompute in vLLM (default)"
 KV_DEVIATION = "span reuse, recompute in vLLM (kv_deviation)"
 ROWS = (RECOMPUTE, KV_DEVIATION)
 ANSWER_TOKENS, TOP = 16, 20
-OFF = {"contextkit": {"mode": "off"}}
+OFF = RequestOptions(mode="off").encode()  # a measured full prefill
 
 
 def reference_answers(post, url: str, prompts, salt: str) -> list[tuple[int, ...]]:

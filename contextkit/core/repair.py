@@ -93,7 +93,11 @@ class RepairOptions:
                    fidelity_budget=opts.fidelity_budget)
 
     def wire(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """The options as ``kv_transfer_params`` carry them (``integrations/vllm_connector/wire.py``). A None
+        is left out where it is the default; ``max_recompute: None`` (uncapped) is not the default and is
+        sent as it is (left out, the connector read it as the default cap and the request's salt variant
+        no longer matched: such requests ran as exact reuse)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "max_recompute"}
 
     @property
     def variant(self) -> str:

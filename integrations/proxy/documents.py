@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 
-from contextkit.core.errors import PromptTooLongError
+from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import FixedOrder, Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
+from contextkit.integrations.vllm_connector.wire import ConnectorAnswer
 from contextkit.integrations.edge.answers import chunk, completion, sse
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
@@ -54,6 +56,8 @@ from contextkit.integrations.proxy.span_compiler import (
     uses_spans,
 )
 from contextkit.integrations.proxy.upstreams import Upstream
+
+log = logging.getLogger("contextkit.proxy")
 
 ENCODE_ON_LOOP = 32_768  # prompt tokens: a smaller completion body costs less to serialize than a thread hop
 
@@ -236,20 +240,24 @@ def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, 
     """What the connector says it loaded and recomputed. Spans it saved out of this request (those the store
     lacked, computed here in context) need no compile; the others this proxy has not compiled are
     compiled after the answer, and those it found missing (evicted) compiled again."""
-    got = (params or {}).get("contextkit") or {}
-    pairs = lambda key: {tuple(m) for m in got.get(key) or () if isinstance(m, list) and len(m) == 2}  # noqa: E731
-    missing, saved, ids = pairs("missing_spans"), pairs("saved_spans"), plan.ids
+    try:
+        got = ConnectorAnswer.of(params) or ConnectorAnswer()
+    except ConfigError as exc:  # a connector of another release: nothing of its answer is read
+        log.warning({"event": "connector answer refused", "upstream": u.name, "why": str(exc)})
+        got = ConnectorAnswer()
+    missing, saved, ids = set(got.missing_spans), set(got.saved_spans), plan.ids
     for s, e in saved:
         ups.compiler.remember(u.url, salt, ids[s:e])
     for s, e in missing - saved:
         ups.compiler.forget(u.url, salt, ids[s:e])
     ups.compiler.schedule(u.url, model, salt, [ids[s:e] for s, e in spans_of(plan) if (s, e) not in saved],
                           tenant=plan.tenant)
-    out = {"loaded_tokens": got.get("loaded_tokens"), "missing_spans": len(missing), "saved_spans": len(saved)}
-    rec = got.get("recompute")
-    if isinstance(rec, dict):  # what the connector resolved and recomputed, as serve reports it
-        loaded, n = got.get("loaded_tokens") or 0, rec.get("recomputed_tokens") or 0
-        reported = ("policy", "ratio", "probe_layers", "fidelity_budget", "profile", "band", "requested", "reason")
+    out = {"loaded_tokens": got.loaded_tokens, "missing_spans": len(missing), "saved_spans": len(saved)}
+    rec = got.recompute
+    if rec is not None:  # what the connector resolved and recomputed, as serve reports it
+        loaded, n = got.loaded_tokens, rec.get("recomputed_tokens") or 0
+        reported = ("policy", "ratio", "probe_layers", "fidelity_budget", "profile", "band", "requested", "reason",
+                    "clamped", "limits")  # clamped / limits: the connector's operator limits cut the setting
         out.update({k: rec[k] for k in reported if k in rec})
         cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
         out.update(recomputed_tokens=n, reused_tokens=max(0, loaded - n))

@@ -42,8 +42,10 @@ from contextkit.core import tenancy
 from contextkit.core.plan import RequestPlan, ReuseOptions
 from contextkit.core.repair import RepairOptions
 from contextkit.core.tenant import Tenant
+from contextkit.integrations.vllm_connector.wire import RequestOptions
 
 log = logging.getLogger("contextkit.proxy")
+SPAN_COMPILE = RequestOptions(mode="span").encode()  # a span alone at position 0, saved as span KV
 
 
 def check_options(connector: str, fields: dict) -> None:
@@ -122,12 +124,9 @@ def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions, *, probe_end: i
     """``kv_transfer_params`` of a span-reuse request: its spans, the tenant's salt, and the recompute the
     connector runs in vLLM's worker (``core.repair``; none for policy "none"). ``probe_end``: benchmarks
     feeding an answer back keep it out of the selection."""
-    out = {"mode": "pic", "spans": [list(s) for s in spans_of(plan)], "salt": salt,
-           "recompute_last": bool(opts.recompute_last_span)}
-    repair = RepairOptions.from_reuse(opts)
-    if repair is not None:
-        out["recompute"] = {**repair.wire(), **({"probe_end": probe_end} if probe_end is not None else {})}
-    return {"contextkit": out}
+    request = RequestOptions(mode="pic", spans=tuple(spans_of(plan)), salt=salt,
+                             recompute_last=bool(opts.recompute_last_span), recompute=RepairOptions.from_reuse(opts))
+    return request.with_probe_end(probe_end).encode()
 
 
 class SpanCompiler:
@@ -215,7 +214,7 @@ class SpanCompiler:
                 continue
             self._known[key] = None  # past ``remember``, the least recently named span is forgotten
             body = {"prompt": list(ids), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
-                    "kv_transfer_params": {"contextkit": {"mode": "span"}}}
+                    "kv_transfer_params": SPAN_COMPILE}
             if model:
                 body["model"] = model
             self._backlog.append(_Compile(url, key, owner, body))  # serialized when it runs: one span at a time

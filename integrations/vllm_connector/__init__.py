@@ -1,6 +1,7 @@
 """contextkit's KV connector for vLLM: ``--kv-transfer-config`` names this module and ``ContextKitConnector``.
 
-``settings`` (what it takes and the transfer config that loads it) and ``keys`` import without vLLM;
+``settings`` (what it takes and the transfer config that loads it), ``wire`` (what a request's
+``kv_transfer_params`` hold, both ways) and ``keys`` import without vLLM;
 the connector itself needs vLLM and is imported on first use.
 """
 
@@ -8,13 +9,13 @@ from contextkit.integrations.vllm_connector.settings import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     ConnectorSettings,
-    RequestOptions,
     transfer_config,
     vllm_args,
 )
+from contextkit.integrations.vllm_connector.wire import PROTOCOL_VERSION, ConnectorAnswer, RequestOptions
 
-__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "ConnectorSettings", "ContextKitConnector", "RequestOptions",
-           "transfer_config", "vllm_args"]
+__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "PROTOCOL_VERSION", "ConnectorAnswer", "ConnectorSettings",
+           "ContextKitConnector", "RequestOptions", "transfer_config", "vllm_args"]
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from contextkit.core.repair import RepairOptions
 from contextkit.integrations.vllm_connector.keys import ConnectorKey, KVGeometry, block_keys, span_key
-from contextkit.integrations.vllm_connector.settings import RequestOptions
+from contextkit.integrations.vllm_connector.wire import RequestOptions
 from contextkit.kvstore.deadline import Deadline
 from contextkit.kvstore.entry import Entry
 

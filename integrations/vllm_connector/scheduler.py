@@ -19,8 +19,9 @@ from contextkit.integrations.vllm_connector.limits import RepairLimits
 from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp, RepairPlan
 from contextkit.integrations.vllm_connector.saves import SaveOp
-from contextkit.integrations.vllm_connector.settings import ConnectorSettings, RequestOptions
+from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 from contextkit.integrations.vllm_connector.stats import Counters
+from contextkit.integrations.vllm_connector.wire import ConnectorAnswer, RequestOptions, WireVersionError
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,6 +63,8 @@ class ConnectorScheduler:
                 salt = opts.namespace(request.cache_salt)  # never a salt the client chose (settings)
             except ConfigError as exc:  # the request runs, with exact reuse under its own cache_salt
                 log.warning("request %s: %s; using exact reuse", request.request_id, exc)
+                if isinstance(exc, WireVersionError):
+                    self.counters.add("wire_mismatches")
                 opts, salt = RequestOptions(), request.cache_salt
             st = RequestState(ids, opts, salt)
             if opts.mode == "pic" and opts.recompute is not None:
@@ -267,15 +270,13 @@ class ConnectorScheduler:
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return False, None
-        out: dict[str, Any] = {"loaded_tokens": st.loaded_tokens, "mode": st.opts.mode}
+        recompute = None
         if st.report:
-            out["recompute"] = {**st.report, "recomputed_tokens": st.recomputed_tokens}
+            recompute = {**st.report, "recomputed_tokens": st.recomputed_tokens}
             if st.repair is not None:
-                out["recompute"]["ratio"] = st.repair.ratio
+                recompute["ratio"] = st.repair.ratio
                 if st.repair.policy == "query_attention":
-                    out["recompute"]["probe_layers"] = st.repair.probe_layers
-        if st.lookup is not None and st.lookup[3]:
-            out["missing_spans"] = [list(m) for m in st.lookup[3]]
-        if st.context_saved:
-            out["saved_spans"] = sorted(list(m) for m in st.context_saved)
-        return False, {"contextkit": out}
+                    recompute["probe_layers"] = st.repair.probe_layers
+        missing = tuple(st.lookup[3]) if st.lookup is not None else ()
+        answer = ConnectorAnswer(st.opts.mode, st.loaded_tokens, recompute, missing, tuple(sorted(st.context_saved)))
+        return False, answer.encode()

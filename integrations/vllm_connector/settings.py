@@ -25,12 +25,11 @@ from typing import Any
 
 from contextkit.core.config import DEFAULT_CACHE_DIR
 from contextkit.core.errors import ConfigError
-from contextkit.core.repair import RepairOptions
-from contextkit.core.tenancy import pic_salt
+from contextkit.integrations.vllm_connector.wire import KEY
 
 CONNECTOR_CLASS = "ContextKitConnector"
 CONNECTOR_MODULE = "contextkit.integrations.vllm_connector"
-EXTRA_KEY = "contextkit"
+EXTRA_KEY = KEY  # kv_connector_extra_config["contextkit"], as in kv_transfer_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,84 +158,3 @@ def transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
 def vllm_args(settings: ConnectorSettings) -> list[str]:
     """vLLM command-line arguments that load the connector (``VLLMServerConfig(extra_args=...)``)."""
     return ["--kv-transfer-config", json.dumps(transfer_config(settings))]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOptions:
-    """What one request asks of the connector, from ``kv_transfer_params["contextkit"]`` (set by the proxy).
-
-    Attributes:
-        mode: "exact" (default: save and load exact-prefix blocks), "span" (this prompt is one span compiled
-            alone at position 0: save it as position-free span KV), "pic" (load the ``spans`` from
-            position-free span KV re-rotated to their positions: reuse without recompute), "off" (neither
-            load nor save: a measured full prefill).
-        spans: for "pic", the ``[start, end)`` token ranges of the prompt that are spans, in order.
-        salt: for "pic", the tenant's salt that span keys are named under (the request's own ``cache_salt``
-            is ``core.tenancy.pic_salt`` of it, a separate namespace, so that its approximate blocks are
-            never an exact-prefix hit). Clients can send ``kv_transfer_params`` to vLLM, so this is
-            checked against the request's ``cache_salt`` (``namespace``), never trusted as it is.
-        recompute_last: for "pic", compute the last span in its context instead of loading it.
-        recompute: for "pic", recompute the loaded spans' most affected tokens in their new context before
-            vLLM reads them (``core.repair``; None: reuse without recompute).
-    """
-
-    mode: str = "exact"
-    spans: tuple[tuple[int, int], ...] = ()
-    salt: str | None = None
-    recompute_last: bool = False
-    recompute: RepairOptions | None = None
-
-    @classmethod
-    def of(cls, params: dict[str, Any] | None, num_prompt_tokens: int) -> RequestOptions:
-        """Parse and check a request's options; raises ``ConfigError`` saying what is wrong."""
-        raw = (params or {}).get(EXTRA_KEY)
-        if raw is None:
-            return cls()
-        if not isinstance(raw, dict):
-            raise ConfigError("kv_transfer_params.contextkit must be an object")
-        mode = raw.get("mode", "exact")
-        if mode not in ("exact", "span", "pic", "off"):
-            raise ConfigError(f"kv_transfer_params.contextkit.mode must be exact, span, pic or off, got {mode!r}")
-        spans: list[tuple[int, int]] = []
-        last = 0
-        for item in raw.get("spans") or ():
-            if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, int) for x in item)):
-                raise ConfigError("kv_transfer_params.contextkit.spans holds [start, end] pairs of ints")
-            s, e = item
-            if not (last <= s < e <= num_prompt_tokens):
-                raise ConfigError(f"span [{s}, {e}) is empty, overlaps the one before or ends past the prompt "
-                                  f"({num_prompt_tokens} tokens)")
-            spans.append((s, e))
-            last = e
-        if mode == "pic" and not spans:
-            raise ConfigError("a pic request names its spans: kv_transfer_params.contextkit.spans")
-        salt = raw.get("salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ConfigError("kv_transfer_params.contextkit.salt must be a string")
-        repair = None
-        if raw.get("recompute") is not None:
-            if mode != "pic":
-                raise ConfigError("kv_transfer_params.contextkit.recompute is for pic requests")
-            repair = RepairOptions.of(raw["recompute"])
-        return cls(mode, tuple(spans), salt, bool(raw.get("recompute_last", False)), repair)
-
-    def namespace(self, cache_salt: str | None) -> str | None:
-        """The salt this request's keys are named under; raises ``ConfigError`` for a salt it may not use.
-
-        The request's ``cache_salt`` is set by whoever the operator trusts (the proxy derives it from the
-        caller's credentials); ``kv_transfer_params`` may come from the client. So the params' salt is
-        used only by a pic request whose ``cache_salt`` is ``pic_salt`` of it (the proxy's own pairing):
-        a client cannot name another tenant's namespace (or the unsalted one, ``salt: ""``), and a pic
-        request under an exact salt would leave approximate KV in vLLM's prefix cache where exact
-        requests hit it, so it loads nothing (it runs as exact reuse under its own salt)."""
-        if self.mode != "pic":
-            if self.salt is not None and self.salt != cache_salt:
-                raise ConfigError("kv_transfer_params.contextkit.salt is only for pic requests (it must equal the "
-                                  "request's cache_salt otherwise); keys are named under the request's cache_salt")
-            return cache_salt
-        variant = self.recompute.variant if self.recompute is not None else ""
-        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last, variant=variant):
-            raise ConfigError("a pic request's kv_transfer_params.contextkit.salt must be the tenant salt its "
-                              "cache_salt is derived from (cache_salt = contextkit.core.tenancy.pic_salt(salt)); "
-                              "send pic requests through the contextkit proxy")
-        return self.salt

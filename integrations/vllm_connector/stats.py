@@ -27,6 +27,8 @@ COUNTERS = {
     "dropped_saves": "saves dropped because the save queue was full (the least worth first) or the store refused them",
     "policy_fallbacks": "requests whose recompute setting could not be resolved (a bad value or profile): run as exact "
                         "prefix reuse",
+    "wire_mismatches": "requests whose kv_transfer_params were of another protocol version (a proxy of another "
+                       "release): run as exact reuse",
     "repair_clamps": "requests whose recompute was cut to the connector's limits (max_recompute_ratio, "
                      "max_recompute_tokens)",
     "repair_sheds": "requests whose repair was over a limit (the step's tokens, the repair's memory): their span "

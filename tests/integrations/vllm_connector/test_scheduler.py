@@ -27,6 +27,7 @@ from contextkit.integrations.vllm_connector.connector import _local_model_dir, _
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
 from contextkit.integrations.vllm_connector.scheduler import ConnectorScheduler
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
+from contextkit.integrations.vllm_connector.wire import PROTOCOL_VERSION, RequestOptions
 from contextkit.kvstore.entry import make_entry
 from contextkit.kvstore.memory import MemoryTier
 from contextkit.kvstore.tiered import TieredStore
@@ -48,11 +49,10 @@ def store():
     return s
 
 
-def _request(rid: str, repair: RepairOptions) -> Request:
+def _request(rid: str, repair: RepairOptions, *, version: int = PROTOCOL_VERSION) -> Request:
     ids = HEAD_IDS + SPANS[0] + SPANS[1] + QUESTION
-    spans = [[32, 96], [96, 160]]
-    params = {"contextkit": {"mode": "pic", "spans": spans, "salt": SALT, "recompute_last": False,
-                             "recompute": repair.wire()}}
+    params = RequestOptions(mode="pic", spans=((32, 96), (96, 160)), salt=SALT, recompute=repair).encode()
+    params["contextkit"]["v"] = version
     return Request(rid, ids, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
                    cache_salt=pic_salt(SALT, recompute_last=False, variant=repair.variant))
 
@@ -255,3 +255,17 @@ def test_a_digest_sidecar_without_weights_is_not_trusted(tmp_path):
     assert weights_digest(fake) != digest
     assert _profile(fake, "bfloat16") is None
     assert json.loads((fake / WEIGHTS_DIGEST).read_text())["sha256"] == digest  # nothing written there either
+
+
+def test_a_request_of_another_wire_version_runs_as_exact_reuse_and_is_counted(store, tmp_path, caplog):
+    """A proxy of another release sends params of another version: the connector reads none of them (no
+    span loads, no recompute), runs the request as exact reuse, says why and counts it."""
+    sched = _scheduler(store, tmp_path, None)
+    req = _request("req-v2", RepairOptions(policy="query_attention"), version=PROTOCOL_VERSION + 1)
+    with caplog.at_level(logging.WARNING, logger="contextkit.connector"):
+        loaded, meta = _schedule(sched, [req])
+    assert loaded == [0] and not meta.loads
+    out = _report(sched, req)
+    assert out["mode"] == "exact" and "recompute" not in out and out["v"] == PROTOCOL_VERSION
+    assert any("req-v2" in m and "same contextkit release" in m for m in caplog.messages)
+    assert sched.counters.take().data["wire_mismatches"] == 1

@@ -19,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.vllm_connector import ConnectorSettings, RequestOptions, transfer_config, vllm_args
 from contextkit.integrations.vllm_connector.keys import KVGeometry, block_keys, model_fingerprint, span_key
+from contextkit.integrations.vllm_connector.wire import PROTOCOL_VERSION, WireVersionError
 
 BS = 32
+V = {"v": PROTOCOL_VERSION}  # the wire version every message to the connector carries (wire.py)
 
 
 # -- pieces, no server ----------------------------------------------------------------------------------
@@ -40,13 +42,24 @@ def test_settings_need_a_store_and_say_how(tmp_path):
 
 def test_request_options_are_checked():
     assert RequestOptions.of(None, 10).mode == "exact"
-    o = RequestOptions.of({"contextkit": {"mode": "pic", "spans": [[0, 4], [4, 9]], "salt": "s"}}, 10)
+    o = RequestOptions.of({"contextkit": {**V, "mode": "pic", "spans": [[0, 4], [4, 9]], "salt": "s"}}, 10)
     assert o.spans == ((0, 4), (4, 9)) and o.salt == "s" and not o.recompute_last
     for bad in ({"mode": "blend"}, {"mode": "pic"}, {"mode": "pic", "spans": [[0, 4], [3, 6]]},
                 {"mode": "pic", "spans": [[0, 11]]}, {"mode": "pic", "spans": [[2, 2]]}, {"spans": [["a", 1]]},
                 {"mode": "pic", "spans": [[0, 2]], "salt": 5}):
         with pytest.raises(ConfigError):
-            RequestOptions.of({"contextkit": bad}, 10)
+            RequestOptions.of({"contextkit": {**V, **bad}}, 10)
+
+
+def test_params_of_another_protocol_version_are_refused_not_misread():
+    """kv_transfer_params without the version, or of another one (a proxy of another release), are refused
+    with a WireVersionError that says to run one release (the connector then runs the request as exact
+    reuse and counts it: tests/integrations/vllm_connector/test_scheduler.py)."""
+    pic = {"mode": "pic", "spans": [[0, 4]], "salt": "s"}
+    for raw in (pic, {**pic, "v": PROTOCOL_VERSION + 1}, {**pic, "v": str(PROTOCOL_VERSION)}):
+        with pytest.raises(WireVersionError, match="same contextkit release"):
+            RequestOptions.of({"contextkit": raw}, 10)
+    assert RequestOptions.of(RequestOptions(mode="pic", spans=((0, 4),), salt="s").encode(), 10).spans == ((0, 4),)
 
 
 def test_a_requests_namespace_is_its_cache_salt_unless_the_proxy_paired_a_pic_salt():
@@ -56,15 +69,15 @@ def test_a_requests_namespace_is_its_cache_salt_unless_the_proxy_paired_a_pic_sa
     from contextkit.core.tenancy import pic_salt
 
     pic = {"mode": "pic", "spans": [[0, 4]], "salt": "tenant"}
-    assert RequestOptions.of({"contextkit": pic}, 10).namespace(pic_salt("tenant", recompute_last=False)) == "tenant"
-    assert RequestOptions.of({"contextkit": {"salt": "t"}}, 10).namespace("t") == "t"
+    assert RequestOptions.of({"contextkit": {**V, **pic}}, 10).namespace(pic_salt("tenant", recompute_last=False)) == "tenant"
+    assert RequestOptions.of({"contextkit": {**V, "salt": "t"}}, 10).namespace("t") == "t"
     assert RequestOptions.of(None, 10).namespace("t") == "t" and RequestOptions.of(None, 10).namespace(None) is None
     for params, cache_salt in (({"salt": "victim"}, "thief"), ({"salt": ""}, "thief"), ({"salt": "victim"}, None),
                                ({"mode": "span", "salt": "victim"}, "thief"), (pic, "thief"), (pic, "tenant"),
                                (pic, None), ({**pic, "salt": ""}, pic_salt("", recompute_last=False)),
                                ({**pic, "recompute_last": True}, pic_salt("tenant", recompute_last=False))):
         with pytest.raises(ConfigError, match="cache_salt"):
-            RequestOptions.of({"contextkit": params}, 10).namespace(cache_salt)
+            RequestOptions.of({"contextkit": {**V, **params}}, 10).namespace(cache_salt)
 
 
 def test_keys_name_tenant_model_and_geometry(smol_dir):
@@ -602,11 +615,11 @@ def test_kv_transfer_params_cannot_choose_the_connectors_namespace(kv, smol_dir,
     full = (len(ids) - 1) // BS
     complete(kv.a.url, ids, victim)  # the victim's exact blocks, in Redis
     for span in (a, b):  # and its spans, compiled alone
-        complete(kv.a.url, span, victim, kv_transfer_params={"contextkit": {"mode": "span"}})
+        complete(kv.a.url, span, victim, kv_transfer_params={"contextkit": {**V, "mode": "span"}})
     wait_saved(kv.remote, block_keys(kv.geom, victim, ids, full) + [span_key(kv.geom, victim, s) for s in (a, b)])
 
     def ask(salt, params):
-        out = complete(kv.b.url, ids, salt, kv_transfer_params={"contextkit": params})
+        out = complete(kv.b.url, ids, salt, kv_transfer_params={"contextkit": {**V, **params}})
         return out["kv_transfer_params"]["contextkit"]["loaded_tokens"], cached(out)
 
     pic = {"mode": "pic", "spans": [[0, len(a)], [len(a), len(a) + len(b)]], "salt": victim}
@@ -644,9 +657,9 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     head, a, b = text[:BS], text[BS : 4 * BS], text[4 * BS : 7 * BS]  # a, b re-positioned; head at 0 (exact)
     ids, spans = text, [[0, BS], [BS, 4 * BS], [4 * BS, 7 * BS]]
     for span in (head, a, b):
-        complete(url, span, salt, kv_transfer_params={"contextkit": {"mode": "span"}})
+        complete(url, span, salt, kv_transfer_params={"contextkit": {**V, "mode": "span"}})
     wait_saved(kv.remote, [span_key(kv.geom, salt, s) for s in (head, a, b)])
-    ref = top_logprob(complete(url, ids, "repair-cold", kv_transfer_params={"contextkit": {"mode": "off"}},
+    ref = top_logprob(complete(url, ids, "repair-cold", kv_transfer_params={"contextkit": {**V, "mode": "off"}},
                                logprobs=20))
     repairs0 = metric(url, "contextkit_connector_repairs")
 
@@ -654,7 +667,7 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
         params = {"mode": "pic", "spans": spans, "salt": salt, **({"recompute": recompute} if recompute else {})}
         variant = RepairOptions.of(recompute).variant if recompute else ""
         out = complete(at, ids, pic_salt(salt, recompute_last=False, variant=variant),
-                       kv_transfer_params={"contextkit": params}, logprobs=20)
+                       kv_transfer_params={"contextkit": {**V, **params}}, logprobs=20)
         assert out["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 7 * BS
         return top_logprob(out), out["kv_transfer_params"]["contextkit"].get("recompute", {})
 
@@ -679,7 +692,7 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     recompute = {"policy": "query_attention", "ratio": 0.3}
     other = complete(url, ids, pic_salt("repair-other", recompute_last=False,
                                         variant=RepairOptions.of(recompute).variant),
-                     kv_transfer_params={"contextkit": {"mode": "pic", "spans": spans, "salt": "repair-other",
+                     kv_transfer_params={"contextkit": {**V, "mode": "pic", "spans": spans, "salt": "repair-other",
                                                         "recompute": recompute}})
     assert cached(other) == 0 and other["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 0
 
@@ -698,7 +711,7 @@ def test_a_pic_request_saves_the_spans_the_store_lacked_out_of_its_own_context(k
         ids = head + first + second + q
         spans = [[0, BS], [BS, BS + len(first)], [BS + len(first), BS + len(first) + len(second)]]
         out = complete(url, ids, pic_salt(salt, recompute_last=False),
-                       kv_transfer_params={"contextkit": {"mode": "pic", "spans": spans, "salt": salt}})
+                       kv_transfer_params={"contextkit": {**V, "mode": "pic", "spans": spans, "salt": salt}})
         return out["kv_transfer_params"]["contextkit"], cached(out), ids
 
     got, hit, ids = ask(a, b)
