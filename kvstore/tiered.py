@@ -112,20 +112,24 @@ class TieredStore:
         self.close()
 
 
-def build_store(cfg: KVStoreConfig, mac_key: bytes, enc_key: bytes | None = None) -> TieredStore:
-    """The tiers ``cfg`` asks for: memory always; LMCache disk if ``disk_dir``; LMCache remote if ``remote_url``.
-    ``mac_key`` authenticates every entry the disk and remote tiers hold; ``enc_key`` (required when
-    ``cfg.encrypt``) encrypts them."""
+def build_store(cfg: KVStoreConfig, mac_key: bytes, enc_key: bytes | None = None, *, memory: bool = True,
+                disk_timeout_s: float | None = None) -> TieredStore:
+    """The tiers ``cfg`` asks for: memory (unless ``memory`` is False: vLLM's connector, whose memory tier is
+    vLLM's own prefix cache); LMCache disk if ``disk_dir`` (its calls bounded by ``disk_timeout_s``; None:
+    the tier's default); LMCache remote if ``remote_url``. ``mac_key`` authenticates every entry the disk
+    and remote tiers hold; ``enc_key`` (required when ``cfg.encrypt``) encrypts them. Every process that
+    keeps KV builds its tiers here (serve's kit and the vLLM connector): a tier added here reaches both."""
     if cfg.encrypt and enc_key is None:
         raise ConfigError("kvstore encrypt is set: build_store needs enc_key (derive(secret, 'kv-enc'))")
     enc_key = enc_key if cfg.encrypt else None
-    tiers: list = [MemoryTier(cfg.memory_bytes)]
+    tiers: list = [MemoryTier(cfg.memory_bytes)] if memory else []
     if cfg.disk_dir is not None or cfg.remote_url:
         from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 
         if cfg.disk_dir is not None:
+            timeout = {} if disk_timeout_s is None else {"timeout_s": disk_timeout_s}
             tiers.append(LMCacheTier(LMCacheTierConfig("disk", max_bytes=cfg.disk_bytes, disk_dir=cfg.disk_dir,
-                                                         mac_key=mac_key, enc_key=enc_key)))
+                                                         mac_key=mac_key, enc_key=enc_key, **timeout)))
         if cfg.remote_url:
             tiers.append(LMCacheTier(LMCacheTierConfig("remote", remote_url=cfg.remote_url,
                                                        timeout_s=cfg.remote_timeout_s, mac_key=mac_key,

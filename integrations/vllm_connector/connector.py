@@ -213,19 +213,17 @@ def _open_store(s: ConnectorSettings, *, nice: int = 0):
 
 
 def _tiers(s: ConnectorSettings):
-    from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
-    from contextkit.kvstore.tiered import TieredStore
+    """The connector's tiers, built as every process that keeps KV builds them (``kvstore.tiered.build_store``):
+    disk and/or remote, no memory tier (vLLM's prefix cache is this server's memory tier), each call within
+    the step's deadline."""
+    from contextkit.core.config import KVStoreConfig
+    from contextkit.kvstore.tiered import build_store
 
     secret = deployment_secret(s.cache_dir, path=s.secret_file)
-    mac_key, enc_key = derive(secret, "kv-mac"), (derive(secret, "kv-enc") if s.encrypt else None)
-    tiers = []
-    if s.disk_dir is not None:
-        tiers.append(LMCacheTier(LMCacheTierConfig("disk", max_bytes=s.disk_bytes, disk_dir=s.disk_dir,
-                                                     timeout_s=s.timeout_s, mac_key=mac_key, enc_key=enc_key)))
-    if s.remote_url:
-        tiers.append(LMCacheTier(LMCacheTierConfig("remote", remote_url=s.remote_url, timeout_s=s.timeout_s,
-                                                     mac_key=mac_key, enc_key=enc_key)))
-    return TieredStore(tiers)
+    cfg = KVStoreConfig(disk_dir=s.disk_dir, disk_bytes=s.disk_bytes, remote_url=s.remote_url,
+                        remote_timeout_s=s.timeout_s, encrypt=s.encrypt)
+    return build_store(cfg, derive(secret, "kv-mac"), derive(secret, "kv-enc") if s.encrypt else None, memory=False,
+                       disk_timeout_s=s.timeout_s)
 
 
 def _rope_specs(model_dir: Path):

@@ -42,6 +42,14 @@ def test_build_store_and_bad_config(tmp_path, redis_url, mac):
         assert [t.name for t in store.tiers] == ["memory", "disk", "redis"]
     finally:
         store.close()
+    # the vLLM connector's tiers: no memory tier (vLLM's prefix cache is its memory), the step's deadline
+    store = build_store(KVStoreConfig(disk_dir=tmp_path, remote_url=redis_url, remote_timeout_s=0.5), mac,
+                        memory=False, disk_timeout_s=0.5)
+    try:
+        assert [t.name for t in store.tiers] == ["disk", "redis"]
+        assert all(t.cfg.timeout_s == 0.5 for t in store.tiers)
+    finally:
+        store.close()
     with pytest.raises(ConfigError, match="lm:// or redis://"):
         KVStoreConfig(remote_url="http://localhost:1")
     with pytest.raises(ConfigError):
