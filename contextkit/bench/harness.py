@@ -2,7 +2,7 @@
 
 A benchmark is a function ``run(ctx, progress) -> BenchResult``. The harness gives it a progress bar,
 prints its rows as a rich table, writes the JSON and, if asked, a PNG. Naming conventions for row and
-summary keys are in DESIGN.md (``*_ms_p50``, ``speedup_vs_<baseline>``, ``kl_p50``, ...).
+summary keys are in docs/benchmarks.md (``*_ms_p50``, ``speedup_vs_<baseline>``, ``kl_p50``, ...).
 """
 
 from __future__ import annotations
