@@ -1,6 +1,6 @@
 """The proxy's boundary with vLLM: which routes it forwards, and what it makes of a body before it does.
 
-The proxy is an allow-list, read off the routes of the installed vLLM (0.32; ``tests/integrations/
+The proxy is an allow-list, read off the routes of the installed vLLM (0.32; ``tests/integrations/proxy/
 test_proxy_boundary.py`` checks this table against the OpenAPI document of the real server):
 
 - **generation routes** run the model on the body, so they share the upstream's prefix cache and KV
@@ -152,6 +152,19 @@ def prompts_of(path: str, body: dict) -> int:
         if isinstance(messages, list) and messages and all(isinstance(m, list) for m in messages):
             return len(messages)
     return 1
+
+
+def longest_ids_prompt(path: str, body: dict) -> int:
+    """The longest token-id prompt of a completion request (a list of ids, or a list of such lists); 0 when
+    it has none (text prompts are measured by vLLM)."""
+    if path != "/v1/completions":
+        return 0
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return 0
+    if all(type(t) is int for t in prompt):
+        return len(prompt)
+    return max((len(p) for p in prompt if isinstance(p, list)), default=0)
 
 
 def cap_fan_out(path: str, body: dict, max_n: int) -> int:
