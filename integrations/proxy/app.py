@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from contextkit.core.errors import (
     ConfigError,
     ContextKitError,
+    PromptTooLongError,
     http_status,
 )
 from contextkit.core.models import resolve_model_dir
@@ -51,6 +52,7 @@ from contextkit.integrations.proxy.routing import Routed, Router, render_keys, s
 from contextkit.integrations.proxy.routes import (
     cap_fan_out,
     check_json,
+    longest_ids_prompt,
     not_found_message,
     route_of,
     salt_body,
@@ -241,6 +243,7 @@ class ProxyApp:
                 parsed["request_id"] = t["request_id"]
             if route.generates:
                 cap_fan_out(path, parsed, self.settings.max_n)  # by value: "64" and 64.0 count as 64
+                await self.refuse_past_context(path, parsed)
                 if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
                                                       or "contextkit" in parsed):
                     t["documents"] = True
@@ -253,6 +256,18 @@ class ProxyApp:
             # what was checked is what is sent (a large body serialized off the loop, as it was parsed)
             body = await self.planning.run(_encode, parsed, owner=tenant.name) if large else _encode(parsed)
         await self.upstreams.passthrough(scope, receive, send, route, body, t, routed)
+
+    async def refuse_past_context(self, path: str, body: dict) -> None:
+        """A token-id prompt longer than every healthy upstream's context is refused here (413), not parsed
+        again and refused by vLLM: a megabyte-sized prompt costs vLLM's server the CPU its engine needs."""
+        n = longest_ids_prompt(path, body)
+        if not n:
+            return
+        limits = [m for m in await asyncio.gather(*(self.upstreams.model_len(u) for u in self.upstreams.pool.healthy()))
+                  if m]
+        if limits and n > max(limits):
+            raise PromptTooLongError(f"a prompt of {n} token ids is over the upstreams' context of {max(limits)} "
+                                     "tokens; shorten it", "prompt")
 
     async def place(self, path: str, body: dict) -> Routed | None:
         """Choose the upstream for a salted generation request (``routing.Router``); None: one upstream."""

@@ -173,6 +173,22 @@ def test_n_is_limited_on_every_generation_route(keyed):
     assert json.loads(rec.seen[-1]["body"])["n"] == 2
 
 
+def test_a_token_id_prompt_past_the_upstreams_context_never_reaches_vllm(keyed):
+    """A prompt of token ids longer than the upstream's context is refused by the proxy (413) before it is
+    forwarded: vLLM would parse and validate every id (a megabyte-sized body) only to refuse it."""
+    p, rec = keyed
+    limit = httpx.get(p.url + "/v1/models", headers=ACME, timeout=30).json()["data"][0]["max_model_len"]
+    rec.seen.clear()
+    for prompt in ([5] * (limit + 1), [[5] * 3, [5] * (limit + 1)]):
+        r = httpx.post(p.url + "/v1/completions", json={"model": "smol", "prompt": prompt, "max_tokens": 1},
+                       headers=ACME, timeout=60)
+        assert r.status_code == 413 and str(limit) in r.json()["error"]["message"], r.text
+    assert [s for s in rec.seen if s["path"] == "/v1/completions"] == []  # (the proxy's own /v1/models lookup)
+    r = httpx.post(p.url + "/v1/completions", json={"model": "smol", "prompt": [5] * 8, "max_tokens": 1},
+                   headers=ACME, timeout=120)
+    assert r.status_code == 200, r.text  # within the context: forwarded as before
+
+
 def test_request_ids_are_the_proxys(keyed):
     """vLLM keys a request by its id: the client's X-Request-Id header and body request_id never reach it
     (each request gets a fresh id of the proxy's); the client gets its own id back."""
