@@ -16,6 +16,7 @@ import threading
 import time
 
 from contextkit.bench.boundary import abuse_cases, large_ids_body
+from contextkit.core.errors import ConfigError
 
 # hand-made abuse (fanout, planning, large: the proxy's, issue 46)
 KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers", "fanout", "planning", "large")
@@ -76,7 +77,7 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
 
 
 def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-           handmade_threads: int, rate: float, out) -> None:
+           handmade_threads: int, rate: float, skip: frozenset[str], out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
     its counts go to ``out``."""
     os.nice(10)
@@ -100,7 +101,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
     def fuzzer() -> None:
         rounds = 0
-        while time.monotonic() < deadline:
+        while "schemathesis" not in skip and time.monotonic() < deadline:
             report = fuzz(url, server, 50, "key-abuser-00", timeout_s=timeout_s, seed=random.randrange(2**32),
                           deadline_s=max(1.0, deadline - time.monotonic()))
             note(fuzz=report.requests, server_errors=report.server_errors, hangs=report.hangs)
@@ -115,6 +116,8 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
         due = time.monotonic()
         while time.monotonic() < deadline:
             for kind, raw, how in _handmade(server, max_body, model):
+                if kind in skip:
+                    continue
                 if how.get("big") and rounds % 10:
                     continue  # a body past the limit every 10th round: its bytes cost the machine, not the server
                 if gap:  # paced: the next send is due `gap` after the last was due (none skipped when late)
@@ -156,10 +159,16 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
 
 def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-                  handmade_threads: int, rate: float):
+                  handmade_threads: int, rate: float, skip: frozenset[str] = frozenset()):
+    """The abuser in its own process; ``skip`` names kinds it leaves out (``KINDS`` or ``schemathesis``), to
+    measure what each costs the good tenants."""
+    unknown = skip - {*KINDS, "schemathesis"}
+    if unknown:
+        raise ConfigError(f"--set abuse_skip names unknown kinds {sorted(unknown)}; choose from "
+                          f"{', '.join((*KINDS, 'schemathesis'))}")
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate, q),
-                       daemon=True)
+    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate,
+                                            skip, q), daemon=True)
     proc.start()
     return proc, q

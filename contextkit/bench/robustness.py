@@ -109,7 +109,8 @@ def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, strea
     max_body = ProxySettings.model_fields["max_body_bytes"].default if server == "proxy" else 8 << 20
     abuser, q = start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
                              o(f"{server}_abuse_threads", 8 if server == "serve" else 3, int),
-                             o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float))
+                             o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float),
+                             o("abuse_skip", frozenset(), lambda v: frozenset(filter(None, v.split(",")))))
     good = asyncio.run(good_streams(url, work, streams, duration_s, max_tokens, timeout_s))
     try:
         counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
