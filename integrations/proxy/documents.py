@@ -28,11 +28,10 @@ from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import FixedOrder, Planner
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
-from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
-from contextkit.integrations.vllm_connector.wire import ConnectorAnswer
 from contextkit.integrations.edge.answers import chunk, completion, sse
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
+from contextkit.integrations.proxy.kv_index import keys_by, prompt_keys
 from contextkit.integrations.proxy.relay import (
     UPSTREAM_ERRORS,
     Upstreams,
@@ -43,8 +42,6 @@ from contextkit.integrations.proxy.relay import (
     streamed,
     upstream_request_id,
 )
-from contextkit.integrations.proxy.event_order import SearchLimits, event_order
-from contextkit.integrations.proxy.kv_index import prompt_keys
 from contextkit.integrations.proxy.planning import Planning
 from contextkit.integrations.proxy.routing import Choice, Routed, session_key
 from contextkit.integrations.proxy.span_compiler import (
@@ -56,6 +53,9 @@ from contextkit.integrations.proxy.span_compiler import (
     uses_spans,
 )
 from contextkit.integrations.proxy.upstreams import Upstream
+from contextkit.integrations.vllm_connector.cacheblend import blend_prompt_ids, refuse_unasked_blend
+from contextkit.integrations.vllm_connector.wire import ConnectorAnswer
+from contextkit.ordering.event_order import SearchLimits, event_order
 
 log = logging.getLogger("contextkit.proxy")
 
@@ -229,7 +229,8 @@ def plan_each(planner: Planner, request, pool: list[Upstream], limits: list[int 
     if depth is not None:
         fits = [limit for limit, p in zip(limits, plans) if p is not None]
         limit = min(fits, default=None) if None not in fits else None
-        alt, search = event_order(planner, request, depth=depth, salt=salt, block_size=planner.block_size,
+        alt, search = event_order(planner, request, depth=depth, block_size=planner.block_size,
+                                  keys_of=keys_by(salt=salt, block_size=planner.block_size),
                                   context_limit=limit, limits=search_limits)
     alt_keys = tuple(prompt_keys(alt.ids, block_size=planner.block_size, salt=salt)) if alt is not None else ()
     return plans, keys, (alt, alt_keys, search)

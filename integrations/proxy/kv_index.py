@@ -57,6 +57,12 @@ def prompt_keys(ids: Sequence[int], *, block_size: int, salt: str | None, parent
     return keys
 
 
+
+def keys_by(*, salt: str | None, block_size: int):
+    """``prompt_keys`` under one tenant's salt as ``ordering.event_order`` asks for it: ``(ids, parent) ->``
+    the keys of ``ids``' full blocks."""
+    return lambda ids, parent: prompt_keys(ids, block_size=block_size, salt=salt, parent=parent)
+
 class BlockIndex:
     """The blocks one server holds, by the index's keys (module docstring).
 

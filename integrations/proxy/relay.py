@@ -20,7 +20,7 @@ import yarl
 
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
-from contextkit.integrations.proxy.event_order import SearchLimits
+from contextkit.ordering.event_order import SearchLimits
 from contextkit.integrations.proxy.routes import Route, scrub_answer
 from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings

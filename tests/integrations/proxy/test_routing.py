@@ -224,8 +224,8 @@ def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, pass
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
     from contextkit.core.planner import FixedOrder
-    from contextkit.integrations.proxy.event_order import event_order
-    from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex
+    from contextkit.ordering.event_order import event_order
+    from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, keys_by
 
     planner = Planner(Tokenizer(smol_dir), block_size=32)
     docs = tuple(Evidence(passage_text[i * 600 : (i + 1) * 600], id=f"d{i}") for i in range(5))
@@ -241,10 +241,12 @@ def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, pass
         return max(fleet.held_prefixes(k).values(), default=0)
 
     later = ChatRequest((Message("user", "And who is named last?"),), docs[::-1], ordering="weaver")
-    plan, search = event_order(planner, later, depth=depth, salt="s", block_size=32)
+    plan, search = event_order(planner, later, depth=depth, block_size=32, keys_of=keys_by(salt="s", block_size=32))
     assert [plan.document_ids[i] for i in range(5)] == [f"d{i}" for i in sent]
     assert plan.expected_cached_tokens >= len(keys) * 32 - 2 * 32  # all but the question's blocks
     assert search.outcome == "found" and search.scores <= 5 + 4 + 3 + 2
-    assert event_order(planner, later, depth=depth, salt="other-tenant", block_size=32)[0] is None
+    other = keys_by(salt="other-tenant", block_size=32)
+    assert event_order(planner, later, depth=depth, block_size=32, keys_of=other)[0] is None
     kept = ChatRequest(later.messages, later.documents, ordering="retrieval")
-    assert event_order(planner, kept, depth=depth, salt="s", block_size=32)[0] is None  # the client's order stands
+    same = keys_by(salt="s", block_size=32)
+    assert event_order(planner, kept, depth=depth, block_size=32, keys_of=same)[0] is None  # the client's order stands

@@ -1,4 +1,4 @@
-"""The event-driven orderer's bounds (issue 46): a 300-document request the fleet holds in another order
+"""`ordering.event_order`, the event-driven orderer, and its bounds (issue 46): a 300-document request the fleet holds in another order
 is found with two plans and one block hash per candidate, not k(k+1)/2 plans; a limit or the deadline ends
 the search with the deepest order found so far, or none (the Weaver's order then stands)."""
 
@@ -9,8 +9,8 @@ import pytest
 from contextkit.core.planner import ChatRequest, FixedOrder, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.proxy.event_order import SearchLimits, event_order
-from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, prompt_keys
+from contextkit.ordering.event_order import SearchLimits, event_order
+from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, keys_by, prompt_keys
 
 BS = 32
 
@@ -55,7 +55,8 @@ def test_a_300_document_request_held_reversed_is_found_with_two_plans(planner, b
     reverse = tuple(range(299, -1, -1))
     keys, depth = _held(planner, request, reverse)
     planner.plans = 0
-    plan, search = event_order(planner, request, depth=depth, salt="s", block_size=BS,
+    plan, search = event_order(planner, request, depth=depth, block_size=BS,
+                               keys_of=keys_by(salt="s", block_size=BS),
                                limits=SearchLimits(deadline_s=60))
     assert plan.order == reverse and search.outcome == "found"
     assert planner.plans == 2  # the unbounded search planned 45,150 times
@@ -67,7 +68,8 @@ def test_the_score_limit_cuts_the_search_with_the_deepest_order_so_far(planner):
     request = _request(40)
     held_order = tuple(range(39, -1, -1))
     _, depth = _held(planner, request, held_order)
-    plan, search = event_order(planner, request, depth=depth, salt="s", block_size=BS,
+    plan, search = event_order(planner, request, depth=depth, block_size=BS,
+                               keys_of=keys_by(salt="s", block_size=BS),
                                limits=SearchLimits(max_scores=100, deadline_s=60))
     assert search.outcome == "cut" and search.scores == 100
     # 40 + 39 candidates scored the first two positions in full: those two are chosen, the rest follow in order
@@ -78,7 +80,8 @@ def test_the_score_limit_cuts_the_search_with_the_deepest_order_so_far(planner):
 def test_a_spent_deadline_gives_no_order_and_the_weavers_stands(planner):
     request = _request(20)
     _, depth = _held(planner, request, tuple(range(19, -1, -1)))
-    plan, search = event_order(planner, request, depth=depth, salt="s", block_size=BS,
+    plan, search = event_order(planner, request, depth=depth, block_size=BS,
+                               keys_of=keys_by(salt="s", block_size=BS),
                                limits=SearchLimits(deadline_s=0), clock=iter(range(10**6)).__next__)
     assert plan is None and search.outcome == "cut"
 
@@ -86,5 +89,6 @@ def test_a_spent_deadline_gives_no_order_and_the_weavers_stands(planner):
 def test_another_tenants_cache_orders_nothing(planner):
     request = _request(30)
     _, depth = _held(planner, request, tuple(range(29, -1, -1)), salt="other-tenant")
-    plan, search = event_order(planner, request, depth=depth, salt="s", block_size=BS)
+    plan, search = event_order(planner, request, depth=depth, block_size=BS,
+                               keys_of=keys_by(salt="s", block_size=BS))
     assert plan is None and search.outcome == "none"
