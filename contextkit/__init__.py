@@ -125,7 +125,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports, never r
     )
     from contextkit.core.generation import Generation, SamplingParams
     from contextkit.core.kvcache import KVCache
-    from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions, ReuseReport
+    from contextkit.core.plan import PlanItem, RequestPlan, ReuseReport
+    from contextkit.core.policy import ReuseOptions
     from contextkit.core.planner import ChatRequest, Planner
     from contextkit.core.tenant import Tenant
     from contextkit.core.types import Evidence, Message, Skill, Span

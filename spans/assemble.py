@@ -29,6 +29,7 @@ from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.kvcache import PAD_SEGMENT, KVCache
 from contextkit.core.plan import RequestPlan, ReuseReport
+from contextkit.core.policy import Resolved, resolve_budget
 from contextkit.core.tenant import Tenant
 from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Span
@@ -44,15 +45,6 @@ from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Budgeted:
-    """How policy="budget" was resolved for one request (copied into its report)."""
-
-    budget: float
-    profile: str  # the profile's id, or "none": no profile, the built-in fallback ran
-    band: str | None
 
 
 @dataclass
@@ -72,7 +64,7 @@ class _Assembling:
     placement: Placement
     cache: KVCache
     t_start: float
-    budgeted: Budgeted | None = None  # 0. the budget resolved (policy "budget" only)
+    budgeted: Resolved | None = None  # 0. the budget resolved (policy "budget" only)
     got: Fetched = field(default_factory=Fetched)  # 1. fetch
     layout: Layout | None = None  # 2. write
     rerotated: int = 0
@@ -176,23 +168,19 @@ class SpanCache:
         self._keep_links(a)
         return Assembly(a.cache, a.logits, self._report(a))
 
-    def _resolve(self, plan: RequestPlan) -> tuple[RequestPlan, Budgeted | None]:
+    def _resolve(self, plan: RequestPlan) -> tuple[RequestPlan, Resolved | None]:
         """0. policy="budget": the profile's cheapest setting within the budget for the prompt's length
-        band (or full prefill), else, with no profile, the built-in fallback (``ReuseOptions.fallback``)."""
+        band (or full prefill), else, with no profile, the built-in fallback (``core.policy.resolve_budget``,
+        as in the vLLM connector)."""
         opts = plan.options
         if opts is None or opts.policy != "budget":
             return plan, None
-        if self.profile is None:
-            if not self._warned:
-                self._warned = True
-                log.warning("no calibration profile for this model: policy='budget' runs the built-in default "
-                            "(query_attention r=%s); run `contextkit calibrate` to make one", opts.ratio)
-            return replace(plan, options=opts.fallback()), Budgeted(opts.budget, "none", None)
-        choice = self.profile.choose(opts.budget, plan.num_tokens)
-        c = choice.options
-        chosen = replace(opts, policy=c.policy, ratio=c.ratio, max_recompute=c.max_recompute, first_k=c.first_k,
-                         probe_layers=c.probe_layers, fidelity_budget=None)
-        return replace(plan, options=chosen), Budgeted(opts.budget, self.profile.id, choice.band)
+        if self.profile is None and not self._warned:
+            self._warned = True
+            log.warning("no calibration profile for this model: policy='budget' runs the built-in default "
+                        "(query_attention r=%s); run `contextkit calibrate` to make one", opts.ratio)
+        got = resolve_budget(opts, self.profile, plan.num_tokens)
+        return replace(plan, options=got.options), got
 
     def _check_provided(self, plan: RequestPlan, provided: dict[int, CompiledSpan]) -> None:
         """Provided KV must be for a reused item, hold its tokens, and come from this model."""
@@ -325,6 +313,6 @@ class SpanCache:
         )
 
 
-def _budget_fields(b: Budgeted | None) -> dict:
+def _budget_fields(b: Resolved | None) -> dict:
     return {} if b is None else {"fidelity_budget": b.budget, "profile": b.profile, "band": b.band}
 

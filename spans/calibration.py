@@ -39,7 +39,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from contextkit.core.errors import CalibrationError
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 
 FORMAT = "contextkit-calibration-v1"
 # Speedups within this factor of the fastest qualifying setting's are not told apart: a median of 24

@@ -33,7 +33,7 @@ import torch
 
 from contextkit.core.kvcache import KVCache
 from contextkit.core.engine import KVEngine
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,7 +254,7 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
     """The span rows on A: the first pass (each new span compiled after it), then, once the compiled
     spans are stored (``wait_saved``), reuse twice, A's prefix cache emptied before each; the share of the
     compiled spans stored."""
-    from contextkit.core.plan import ReuseOptions
+    from contextkit.core.policy import ReuseOptions
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
     from contextkit.integrations.proxy.span_compiler import (
         pic_params,
@@ -295,7 +295,7 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
 
 def _recompute_rows(m: _Rows, url: str) -> None:
     """The rows repaired inside vLLM (the spans are stored by now), each with A's prefix cache emptied."""
-    from contextkit.core.plan import ReuseOptions
+    from contextkit.core.policy import ReuseOptions
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
     from contextkit.integrations.proxy.span_compiler import pic_params, pic_salt
 

@@ -40,7 +40,8 @@ from collections.abc import Sequence
 import torch
 
 from contextkit.bench.harness import Tick, median
-from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.plan import PlanItem, RequestPlan
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill, Span

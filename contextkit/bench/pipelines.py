@@ -52,7 +52,7 @@ from contextkit.bench.ordering import load_stream
 from contextkit.bench.pipeline_clients import Clients, run_one
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import Evidence
 
 PIPELINES = ("langchain without", "langchain with", "langchain with (retrieval order)", "llamaindex without",

@@ -47,7 +47,8 @@ from contextkit.bench.fidelity import answered, score
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import RequestPlan, ReuseOptions
+from contextkit.core.plan import RequestPlan
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.types import Skill
 

@@ -30,7 +30,7 @@ from contextkit.bench.fidelity import answered, gold_ids, score
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.prompt import render_document
 
 WORKER = ("You are a research worker on a team. Read your passages and write one short note with the facts "

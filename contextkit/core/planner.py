@@ -28,7 +28,8 @@ from cachetools import LRUCache
 
 from contextkit.core.align import align
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
-from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.plan import PlanItem, RequestPlan
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.prompt import (
     DEFAULT_SYSTEM, MARK, RELEVANCE_HINTS, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces,
     render_relevance_hint, render_skill,

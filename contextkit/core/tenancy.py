@@ -55,7 +55,7 @@ def pic_salt(salt: str, *, recompute_last: bool, variant: str = "") -> str:
     """The ``cache_salt`` of a request that loads position-free (approximate) span KV: the tenant's salt
     with the opt-in appended, so the blocks such a request leaves in vLLM's prefix cache are hit only by
     requests with the same opt-in (DESIGN.md: approximate KV is request-only). ``variant`` names the
-    recompute setting a repaired request ran (``RepairOptions.variant``): KV repaired at one setting is
+    recompute setting a repaired request ran (``core.policy.variant``): KV repaired at one setting is
     never a prefix hit for a request asking another (a ratio 1.0 request must not reuse ratio 0's blocks).
     The proxy names requests with it and the KV connector accepts a pic request's span salt only when the
     request's own ``cache_salt`` is this function of it: one derivation on both sides of the boundary."""

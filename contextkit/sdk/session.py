@@ -23,7 +23,7 @@ from typing import Any
 
 from contextkit.sdk.shapes import Answer, Call, Transport
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import content_id
 from contextkit.core.types import ROLES, Evidence, Message, Skill
 

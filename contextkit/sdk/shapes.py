@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from contextkit.core.errors import ConfigError
-from contextkit.core.plan import ReuseOptions, ReuseReport
+from contextkit.core.plan import ReuseReport
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import Evidence, Message, Skill
 
 ReusePath = Literal["kv", "prompt", "prefill"]

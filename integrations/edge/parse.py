@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from contextkit.core.errors import BodyTooLargeError, ConfigError, InputError, MalformedBodyError  # fmt: skip
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message, Skill, skill_version

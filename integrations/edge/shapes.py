@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from contextkit.core.errors import ConfigError, InputError  # fmt: skip
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import POLICIES
+from contextkit.core.policy import POLICIES
 from contextkit.core.types import ROLES
 
 # chat fields a documents request may carry and the proxy forwards to /v1/completions as they are

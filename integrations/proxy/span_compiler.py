@@ -37,10 +37,10 @@ from cachetools import LRUCache
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
 
-from contextkit.core.errors import ConfigError, InputError
 from contextkit.core import tenancy
-from contextkit.core.plan import RequestPlan, ReuseOptions
-from contextkit.core.repair import RepairOptions
+from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.plan import RequestPlan
+from contextkit.core.policy import CONNECTOR_FIELDS, CONNECTOR_POLICIES, ReuseOptions, for_connector, variant
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.vllm_connector.wire import RequestOptions
 
@@ -71,9 +71,7 @@ def check_options(connector: str, fields: dict) -> None:
                          "attention_budget, block_size and separator run on contextkit serve", "contextkit")
 
 
-CONNECTOR_POLICIES = ("budget", "query_attention", "kv_deviation", "first_k", "none", "full")
-REPAIR_FIELDS = frozenset({"policy", "ratio", "max_recompute", "fidelity_budget", "first_k", "check_layer",
-                           "probe_layers", "recompute_last_span"})
+REPAIR_FIELDS = frozenset({*CONNECTOR_FIELDS, "recompute_last_span"})  # what a request may set on this path
 
 
 def uses_spans(opts: ReuseOptions | None) -> bool:
@@ -115,17 +113,17 @@ def segments_of(plan: RequestPlan) -> list[tuple[int, ...]]:
 def pic_salt(salt: str, opts: ReuseOptions) -> str:
     """The ``cache_salt`` of a request reusing spans: its own namespace per opt-in and recompute setting
     (derived in ``core.tenancy``, which the KV connector checks it against)."""
-    repair = RepairOptions.from_reuse(opts)
+    repair = for_connector(opts)
     return tenancy.pic_salt(salt, recompute_last=bool(opts.recompute_last_span),
-                            variant=repair.variant if repair is not None else "")
+                            variant=variant(repair) if repair is not None else "")
 
 
 def pic_params(plan: RequestPlan, salt: str, opts: ReuseOptions, *, probe_end: int | None = None) -> dict:
     """``kv_transfer_params`` of a span-reuse request: its spans, the tenant's salt, and the recompute the
-    connector runs in vLLM's worker (``core.repair``; none for policy "none"). ``probe_end``: benchmarks
-    feeding an answer back keep it out of the selection."""
+    connector runs in vLLM's worker (``core.policy.for_connector``; none for policy "none"). ``probe_end``:
+    benchmarks feeding an answer back keep it out of the selection."""
     request = RequestOptions(mode="pic", spans=tuple(spans_of(plan)), salt=salt,
-                             recompute_last=bool(opts.recompute_last_span), recompute=RepairOptions.from_reuse(opts))
+                             recompute_last=bool(opts.recompute_last_span), recompute=for_connector(opts))
     return request.with_probe_end(probe_end).encode()
 
 

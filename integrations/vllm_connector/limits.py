@@ -16,18 +16,16 @@ them; kv_deviation's pass over the context through ``check_layer``), weighted by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from contextkit.core.errors import ConfigError
-from contextkit.core.repair import RepairOptions, planned, sinks
+from contextkit.core.policy import ReuseOptions, clamp, planned, sinks
 
 if TYPE_CHECKING:
     from contextkit.integrations.vllm_connector.keys import KVGeometry
     from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_INTS = ("first_k", "probe_layers", "check_layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,31 +58,22 @@ class RepairLimits:
         self.token_bytes = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_size * itemsize + 16
         self.step_work = 0
 
-    def clamp(self, r: RepairOptions) -> tuple[RepairOptions, dict[str, float]]:
-        """``r`` within the ratio limit, and which limits applied. Raises ``ConfigError`` for a field of the
-        wrong type (``RepairOptions`` checks ranges, not that an int is an int): the caller falls back."""
-        for name in _INTS:
-            if type(getattr(r, name)) is not int:
-                raise ConfigError(f"recompute.{name} must be an integer")
-        for name in ("max_recompute", "probe_end"):
-            if getattr(r, name) is not None and type(getattr(r, name)) is not int:
-                raise ConfigError(f"recompute.{name} must be an integer or absent")
-        if type(r.ratio) not in (int, float) or not math.isfinite(r.ratio):
-            raise ConfigError("recompute.ratio must be a number")
-        if r.ratio > self.max_ratio:
-            return replace(r, ratio=self.max_ratio), {"max_recompute_ratio": self.max_ratio}
-        return r, {}
+    def clamp(self, r: ReuseOptions) -> tuple[ReuseOptions, dict[str, float]]:
+        """``r`` within the ratio limit, and which limits applied (``core.policy.clamp``)."""
+        return clamp(r, max_ratio=self.max_ratio)
 
-    def need(self, r: RepairOptions, *, start: int, end: int, prompt: int, pieces) -> RepairNeed:
+    def need(self, r: ReuseOptions, *, start: int, end: int, prompt: int, pieces, probe_end: int | None = None
+             ) -> RepairNeed:
         """The repair of a load of ``pieces`` (``start..end`` of a ``prompt``-token prompt) under ``r``, its
-        count cut to the per-request limit (the sinks first: they are what a moved span needs most)."""
+        count cut to the per-request limit (the sinks first: they are what a moved span needs most);
+        ``probe_end``: where the selection's view of the question ends (None: the prompt's end)."""
         moved = tuple((p.dst, p.n, p.src) for p in pieces if p.shift)  # spans at position 0 are exact
         sink = tuple(sinks(moved, r.first_k))
         cand = sum(n for _, n, _ in moved)
         want = planned(policy=r.policy, ratio=r.ratio, max_recompute=r.max_recompute, candidates=cand,
                        sinks=len(sink))
         count = max(0, min(want, self.max_tokens - len(sink)))
-        probe_end = prompt if r.probe_end is None else max(end + 1, min(r.probe_end, prompt))
+        probe_end = prompt if probe_end is None else max(end + 1, min(probe_end, prompt))
         work = len(sink) + count
         if count:  # the selection runs only when it has something to choose
             if r.policy == "query_attention":

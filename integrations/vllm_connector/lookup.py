@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from contextkit.core.repair import RepairOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.integrations.vllm_connector.keys import ConnectorKey, KVGeometry, block_keys, span_key
 from contextkit.integrations.vllm_connector.wire import RequestOptions
 from contextkit.kvstore.deadline import Deadline
@@ -51,7 +51,7 @@ class RequestState:
     saved_blocks: int = -1  # exact blocks saved or known stored; -1: not scheduled yet
     span_saved: bool = False
     loaded_tokens: int = 0
-    repair: RepairOptions | None = None  # pic with recompute: the setting resolved for this request
+    repair: ReuseOptions | None = None  # pic with recompute: the setting resolved for this request
     report: dict = field(default_factory=dict)  # how it was resolved (policy, ratio, profile, band)
     recomputed_tokens: int = 0
     context_saved: set = field(default_factory=set)  # pic: missing spans saved out of this request

@@ -136,7 +136,7 @@ class Repairer:
 def _options(plan: RepairPlan, pool: int):
     """The selection's options: exactly ``plan.count`` of the ``pool`` non-sink candidates (the sinks are
     added by the caller, so ``first_k`` is 0 here)."""
-    from contextkit.core.plan import ReuseOptions
+    from contextkit.core.policy import ReuseOptions
 
     return ReuseOptions(policy=plan.policy, ratio=plan.count / max(pool, 1), max_recompute=None, first_k=0,
                         probe_layers=plan.probe_layers, check_layer=plan.check_layer)

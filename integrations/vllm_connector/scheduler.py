@@ -10,10 +10,10 @@ by the worker side (``worker.py``) from the ``ConnectorMeta`` built here.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from contextkit.core.errors import ConfigError, ContextKitError
+from contextkit.core.policy import resolve_budget
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
 from contextkit.integrations.vllm_connector.limits import RepairLimits
 from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from contextkit.core.repair import RepairOptions
+    from contextkit.core.policy import ReuseOptions
     from contextkit.kvstore.tiered import TieredStore
     from contextkit.spans.calibration import CalibrationProfile
 
@@ -106,26 +106,19 @@ class ConnectorScheduler:
         st.report["clamped"] = True
         st.report["limits"] = {**st.report.get("limits", {}), **applied}
 
-    def _resolve_budget(self, st: RequestState, r: RepairOptions) -> None:
-        """policy="budget": the profile's choice for the prompt's length, or the built-in default."""
-        budget = r.reuse().budget
-        if self.profile is None:
-            if not self._warned:
-                self._warned = True
-                log.warning("no calibration profile for this model: recompute policy 'budget' runs the built-in "
-                            "default (query_attention r=%s); run `contextkit calibrate` to make one", r.ratio)
-            st.repair = replace(r, policy="query_attention", fidelity_budget=None)
-            st.report = {"policy": "query_attention", "fidelity_budget": budget, "profile": "none"}
-            return
-        choice = self.profile.choose(budget, len(st.ids))
-        st.report = {"fidelity_budget": budget, "profile": self.profile.id, "band": choice.band}
-        c = choice.options
-        if c.policy == "full":
-            st.report["policy"] = "full"
-            return
-        st.repair = replace(r, policy="query_attention", ratio=c.ratio, max_recompute=None, first_k=c.first_k,
-                            probe_layers=c.probe_layers, fidelity_budget=None)
-        st.report["policy"] = "query_attention"
+    def _resolve_budget(self, st: RequestState, r: ReuseOptions) -> None:
+        """policy="budget": the profile's choice for the prompt's length, or the built-in default
+        (``core.policy.resolve_budget``, as on the built-in engine); "full" loads nothing."""
+        if self.profile is None and not self._warned:
+            self._warned = True
+            log.warning("no calibration profile for this model: recompute policy 'budget' runs the built-in "
+                        "default (query_attention r=%s); run `contextkit calibrate` to make one", r.ratio)
+        got = resolve_budget(r, self.profile, len(st.ids))
+        st.report = {"policy": got.options.policy, "fidelity_budget": got.budget, "profile": got.profile}
+        if got.band is not None:
+            st.report["band"] = got.band
+        if got.options.policy != "full":
+            st.repair = got.options
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
@@ -154,7 +147,8 @@ class ConnectorScheduler:
         """Shed the request's repair when it would break a limit this step (``limits.RepairLimits.refusal``):
         it then loads nothing and vLLM computes its span region (the path of policy "full")."""
         computed, n, pieces, missing = st.lookup
-        need = self.limits.need(st.repair, start=computed, end=computed + n, prompt=len(st.ids), pieces=pieces)
+        need = self.limits.need(st.repair, start=computed, end=computed + n, prompt=len(st.ids), pieces=pieces,
+                                probe_end=st.opts.probe_end)
         reason = self.limits.refusal(need)
         if reason is None:
             return
@@ -179,6 +173,7 @@ class ConnectorScheduler:
         st.load = (computed, computed + total, tuple(kept))
         if st.repair is not None:  # this step's repairs so far: what the next request's must fit beside
             self.limits.commit(self.limits.need(st.repair, start=computed, end=computed + total, prompt=len(st.ids),
+                                                probe_end=st.opts.probe_end,
                                                 pieces=st.load[2]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
@@ -216,17 +211,18 @@ class ConnectorScheduler:
         return meta
 
     def _repair_plan(self, st: RequestState, start: int, end: int, pieces: tuple[Piece, ...]) -> RepairPlan | None:
-        """What the worker recomputes of this load (``core.repair``: the count is fixed here, reported), cut
+        """What the worker recomputes of this load (``core.policy.planned``: the count is fixed here, reported), cut
         to the per-request limit (``limits.RepairLimits.need``)."""
         r = st.repair
         if r is None:
             return None
-        need = self.limits.need(r, start=start, end=end, prompt=len(st.ids), pieces=pieces)
+        need = self.limits.need(r, start=start, end=end, prompt=len(st.ids), pieces=pieces, probe_end=st.opts.probe_end)
         if need.clamped:
             self._clamped(st, {"max_recompute_tokens": self.limits.max_tokens})
         if not need.tokens:
             return None
-        probe_end = len(st.ids) if r.probe_end is None else max(end + 1, min(r.probe_end, len(st.ids)))
+        p_end = st.opts.probe_end
+        probe_end = len(st.ids) if p_end is None else max(end + 1, min(p_end, len(st.ids)))
         st.recomputed_tokens += need.tokens
         return RepairPlan(r.policy, need.count, need.sinks, need.moved, tuple(st.ids[:probe_end]), r.probe_layers,
                           r.check_layer)

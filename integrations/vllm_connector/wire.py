@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from contextkit.core.errors import ConfigError
-from contextkit.core.repair import RepairOptions
+from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.policy import CONNECTOR_FIELDS, REPAIR_POLICIES, ReuseOptions, connector_fields, variant
 from contextkit.core.tenancy import pic_salt
 
 PROTOCOL_VERSION = 1
@@ -58,14 +58,19 @@ class RequestOptions:
             checked against the request's ``cache_salt`` (``namespace``), never trusted as it is.
         recompute_last: for "pic", compute the last span in its context instead of loading it.
         recompute: for "pic", recompute the loaded spans' most affected tokens in their new context before
-            vLLM reads them (``core.repair``; None: reuse without recompute).
+            vLLM reads them (the connector's fields of ``core.policy.ReuseOptions``, ``for_connector``;
+            None: reuse without recompute).
+        probe_end: with ``recompute``, the prompt token where the selection's view of the question ends
+            (None: the prompt's end). Benchmarks feeding a reference answer back set it so that the answer
+            never steers which tokens are recomputed. Carried inside ``recompute`` on the wire.
     """
 
     mode: str = "exact"
     spans: tuple[tuple[int, int], ...] = ()
     salt: str | None = None
     recompute_last: bool = False
-    recompute: RepairOptions | None = None
+    recompute: ReuseOptions | None = None
+    probe_end: int | None = None
 
     def encode(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params``."""
@@ -77,7 +82,9 @@ class RequestOptions:
         if self.recompute_last:
             out["recompute_last"] = True
         if self.recompute is not None:
-            out["recompute"] = self.recompute.wire()
+            out["recompute"] = connector_fields(self.recompute)
+            if self.probe_end is not None:
+                out["recompute"]["probe_end"] = self.probe_end
         return {KEY: out}
 
     @classmethod
@@ -99,12 +106,12 @@ class RequestOptions:
         salt = raw.get("salt")
         if salt is not None and not isinstance(salt, str):
             raise ConfigError("kv_transfer_params.contextkit.salt must be a string")
-        repair = None
+        repair = probe_end = None
         if raw.get("recompute") is not None:
             if mode != "pic":
                 raise ConfigError("kv_transfer_params.contextkit.recompute is for pic requests")
-            repair = RepairOptions.of(raw["recompute"])
-        return cls(mode, spans, salt, bool(raw.get("recompute_last", False)), repair)
+            repair, probe_end = _recompute(raw["recompute"])
+        return cls(mode, spans, salt, bool(raw.get("recompute_last", False)), repair, probe_end)
 
     def namespace(self, cache_salt: str | None) -> str | None:
         """The salt this request's keys are named under; raises ``ConfigError`` for a salt it may not use.
@@ -120,8 +127,8 @@ class RequestOptions:
                 raise ConfigError("kv_transfer_params.contextkit.salt is only for pic requests (it must equal the "
                                   "request's cache_salt otherwise); keys are named under the request's cache_salt")
             return cache_salt
-        variant = self.recompute.variant if self.recompute is not None else ""
-        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last, variant=variant):
+        named = variant(self.recompute) if self.recompute is not None else ""
+        if not self.salt or cache_salt != pic_salt(self.salt, recompute_last=self.recompute_last, variant=named):
             raise ConfigError("a pic request's kv_transfer_params.contextkit.salt must be the tenant salt its "
                               "cache_salt is derived from (cache_salt = contextkit.core.tenancy.pic_salt(salt)); "
                               "send pic requests through the contextkit proxy")
@@ -131,7 +138,31 @@ class RequestOptions:
         """The same request with its recompute's view of the question ending at ``probe_end`` (benchmarks)."""
         if probe_end is None or self.recompute is None:
             return self
-        return replace(self, recompute=replace(self.recompute, probe_end=probe_end))
+        return replace(self, probe_end=probe_end)
+
+
+def _recompute(raw: Any) -> tuple[ReuseOptions, int | None]:
+    """``kv_transfer_params.contextkit.recompute``: the setting and its ``probe_end``; ``ConfigError`` says what
+    is wrong. Types are checked where the operator's limits are applied (``core.policy.clamp``)."""
+    what = "kv_transfer_params.contextkit.recompute"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{what} must be an object")
+    unknown = set(raw) - {*CONNECTOR_FIELDS, "probe_end"}
+    if unknown:
+        raise ConfigError(f"{what}: unknown fields {sorted(unknown)}; known: {', '.join(CONNECTOR_FIELDS)}, probe_end")
+    policy = raw.get("policy", "budget")
+    if policy not in REPAIR_POLICIES:
+        raise ConfigError(f"recompute policy {policy!r} does not run inside vLLM; choose one of "
+                          f"{', '.join(REPAIR_POLICIES)} (or none / full)")
+    probe_end = raw.get("probe_end")
+    if probe_end is not None and (type(probe_end) is not int or probe_end < 1):
+        raise ConfigError(f"recompute.probe_end must be an integer >= 1, got {probe_end!r:.40}")
+    try:
+        return ReuseOptions(**{k: raw[k] for k in CONNECTOR_FIELDS if k in raw}), probe_end
+    except InputError as exc:  # the connector runs such a request as exact reuse: one error type there
+        raise ConfigError(str(exc)) from None
+    except TypeError as exc:  # a comparison of a value of the wrong type inside the range checks
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def _spans(items, num_prompt_tokens: int) -> tuple[tuple[int, int], ...]:

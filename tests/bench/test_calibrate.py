@@ -10,7 +10,7 @@ import pytest
 from contextkit.core.config import ContextKitConfig
 from contextkit.core.errors import CalibrationError
 from contextkit.core.models import weights_digest
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.spans.calibration import CalibrationProfile
 
 pytestmark = pytest.mark.slow  # a subprocess on the real model, then a kit

@@ -11,7 +11,8 @@ from contextkit.core.generation import SamplingParams
 from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
-from contextkit.core.plan import PlanItem, RequestPlan, ReuseOptions
+from contextkit.core.plan import PlanItem, RequestPlan
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key

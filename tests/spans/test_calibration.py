@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contextkit.core.errors import CalibrationError, ConfigError, InputError
-from contextkit.core.plan import DEFAULT_FIDELITY_BUDGET, ReuseOptions
+from contextkit.core.policy import DEFAULT_FIDELITY_BUDGET, ReuseOptions
 from contextkit.spans.calibration import (Band, CalibrationProfile, Point, find_profile, minimum_prompts,
                                          profile_path, upper_bound)
 from contextkit.spans.assemble import SpanCache

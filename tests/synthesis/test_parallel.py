@@ -9,7 +9,7 @@ import torch
 
 from contextkit.core.errors import ConfigError, EmptyInputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache

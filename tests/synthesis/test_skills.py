@@ -12,7 +12,8 @@ import torch
 
 from contextkit import ContextKit
 from contextkit.core.errors import ConfigError
-from contextkit.core.plan import RequestPlan, ReuseOptions
+from contextkit.core.plan import RequestPlan
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Skill

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from contextkit.core.errors import ConfigError, InputError
-from contextkit.core.plan import ReuseOptions
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.edge.parse import parse_chat
 

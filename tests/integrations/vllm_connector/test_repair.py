@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contextkit.core.repair import planned, sinks
+from contextkit.core.policy import planned, sinks
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.integrations.vllm_connector.metadata import RepairPlan

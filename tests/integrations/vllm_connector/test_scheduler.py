@@ -5,7 +5,7 @@ shed repairs; and which calibration profile the connector finds for the model vL
 
 Real pieces: vLLM's ``Request`` (its ``kv_transfer_params`` read from the sampling params' ``extra_args``,
 as vLLM's API server passes them), a ``TieredStore`` over a memory tier holding span entries under the
-keys the save thread uses, the options and salts the proxy derives (``core.repair``, ``core.tenancy``).
+keys the save thread uses, the options and salts the proxy derives (``core.policy``, ``core.tenancy``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vllm.v1.request import Request
 
 from contextkit.core.errors import ConfigError
 from contextkit.core.models import WEIGHTS_DIGEST, weights_digest
-from contextkit.core.repair import RepairOptions
+from contextkit.core.policy import ReuseOptions, variant
 from contextkit.core.tenancy import pic_salt
 from contextkit.integrations.vllm_connector.connector import _local_model_dir, _profile, _repair_refused
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
@@ -49,12 +49,12 @@ def store():
     return s
 
 
-def _request(rid: str, repair: RepairOptions, *, version: int = PROTOCOL_VERSION) -> Request:
+def _request(rid: str, repair: ReuseOptions, *, version: int = PROTOCOL_VERSION) -> Request:
     ids = HEAD_IDS + SPANS[0] + SPANS[1] + QUESTION
     params = RequestOptions(mode="pic", spans=((32, 96), (96, 160)), salt=SALT, recompute=repair).encode()
     params["contextkit"]["v"] = version
     return Request(rid, ids, SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
-                   cache_salt=pic_salt(SALT, recompute_last=False, variant=repair.variant))
+                   cache_salt=pic_salt(SALT, recompute_last=False, variant=variant(repair)))
 
 
 def _scheduler(store, tmp_path, refused: str | None, *, profile: CalibrationProfile | None = None,
@@ -87,7 +87,7 @@ def test_a_server_that_cannot_repair_loads_nothing_for_recompute_and_says_why(st
     """Where the worker can repair, the stored spans load (and the repair is planned); where it cannot,
     the same request loads nothing (vLLM computes the span region: exact, never unrepaired KV the request
     did not ask for) and its answer reports policy "full", what was asked and why."""
-    repair = RepairOptions.of({"policy": "query_attention", "ratio": 0.3})
+    repair = ReuseOptions(policy="query_attention", ratio=0.3)
     able = _scheduler(store, tmp_path, None)
     req = _request("r1", repair)
     loaded, _ = able.get_num_new_matched_tokens(req, 32)
@@ -129,9 +129,9 @@ def test_a_setting_that_cannot_be_resolved_runs_as_exact_reuse_and_is_counted(st
     reuse (nothing of it loads as spans), the fallback is counted where vLLM reads the connector's counters,
     and the warning names the request, not its tenant."""
     if case == "bad profile":
-        sched, repair = _scheduler(store, tmp_path, None, profile=_hostile_profile()), RepairOptions()
+        sched, repair = _scheduler(store, tmp_path, None, profile=_hostile_profile()), ReuseOptions()
     else:
-        sched, repair = _scheduler(store, tmp_path, None), RepairOptions(policy="query_attention", first_k=2.5)
+        sched, repair = _scheduler(store, tmp_path, None), ReuseOptions(policy="query_attention", first_k=2.5)
     req = _request("req-7", repair)
     with caplog.at_level(logging.WARNING, logger="contextkit.connector"):
         loaded, meta = _schedule(sched, [req])
@@ -140,15 +140,15 @@ def test_a_setting_that_cannot_be_resolved_runs_as_exact_reuse_and_is_counted(st
     assert out["mode"] == "exact" and "recompute" not in out
     assert any("req-7" in m and "exact prefix reuse" in m and SALT not in m for m in caplog.messages)
     assert sched.counters.take().data["policy_fallbacks"] == 1
-    ok = _request("req-8", RepairOptions(policy="query_attention", ratio=0.3))  # the next request is unaffected
+    ok = _request("req-8", ReuseOptions(policy="query_attention", ratio=0.3))  # the next request is unaffected
     assert _schedule(sched, [ok])[0] == [128] and sched.counters.take() is None
 
 
 # -- the operator's limits ------------------------------------------------------------------------------
 def test_the_default_limits_leave_the_default_settings_alone(store, tmp_path):
     sched = _scheduler(store, tmp_path, None)
-    reqs = [_request(f"d{i}", r) for i, r in enumerate((RepairOptions(), RepairOptions(policy="kv_deviation"),
-                                                       RepairOptions(policy="query_attention", ratio=0.7)))]
+    reqs = [_request(f"d{i}", r) for i, r in enumerate((ReuseOptions(), ReuseOptions(policy="kv_deviation"),
+                                                       ReuseOptions(policy="query_attention", ratio=0.7)))]
     loaded, meta = _schedule(sched, reqs)
     assert loaded == [128] * 3
     assert [op.repair.count for op in meta.loads] == [38, 38, 90]  # round(r x 128 moved tokens), besides 4 sinks
@@ -159,7 +159,7 @@ def test_the_default_limits_leave_the_default_settings_alone(store, tmp_path):
 
 def test_a_ratio_over_the_limit_is_clamped_and_reported(store, tmp_path):
     sched = _scheduler(store, tmp_path, None, max_recompute_ratio=0.3)
-    req = _request("r1", RepairOptions(policy="query_attention", ratio=1.0, max_recompute=10_000, probe_layers=0))
+    req = _request("r1", ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=10_000, probe_layers=0))
     loaded, meta = _schedule(sched, [req])
     assert loaded == [128] and meta.loads[0].repair.count == 38 and len(meta.loads[0].repair.sinks) == 4
     report = _report(sched, req)["recompute"]
@@ -170,13 +170,13 @@ def test_a_ratio_over_the_limit_is_clamped_and_reported(store, tmp_path):
 
 def test_a_request_recomputes_at_most_max_recompute_tokens(store, tmp_path):
     sched = _scheduler(store, tmp_path, None, max_recompute_tokens=20)
-    req = _request("r1", RepairOptions(policy="query_attention", ratio=0.5, max_recompute=10_000))
+    req = _request("r1", ReuseOptions(policy="query_attention", ratio=0.5, max_recompute=10_000))
     _, meta = _schedule(sched, [req])
     plan = meta.loads[0].repair
     assert len(plan.sinks) == 4 and plan.count == 16  # the sinks kept, the chosen cut to the rest
     report = _report(sched, req)["recompute"]
     assert report["recomputed_tokens"] == 20 and report["limits"] == {"max_recompute_tokens": 20}
-    greedy = _request("r2", RepairOptions(policy="first_k", first_k=64))  # 128 sinks: no cut can keep them
+    greedy = _request("r2", ReuseOptions(policy="first_k", first_k=64))  # 128 sinks: no cut can keep them
     assert _schedule(sched, [greedy])[0] == [0]
     report = _report(sched, greedy)["recompute"]
     assert report["policy"] == "full" and "max_recompute_tokens" in report["reason"]
@@ -187,7 +187,7 @@ def test_a_repair_past_the_steps_budget_is_shed_to_a_full_prefill_and_counted(st
     52 tokens of work. Two fit a step of 110; the third is shed (loads nothing: vLLM computes its spans); the
     next step has a budget of its own."""
     sched = _scheduler(store, tmp_path, None, max_step_recompute_tokens=110)
-    reqs = [_request(f"s{i}", RepairOptions(policy="query_attention", ratio=0.3, probe_layers=0)) for i in range(3)]
+    reqs = [_request(f"s{i}", ReuseOptions(policy="query_attention", ratio=0.3, probe_layers=0)) for i in range(3)]
     loaded, meta = _schedule(sched, reqs)
     assert loaded == [128, 128, 0] and [op.req_id for op in meta.loads] == ["s0", "s1"]
     shed = _report(sched, reqs[2])
@@ -195,17 +195,17 @@ def test_a_repair_past_the_steps_budget_is_shed_to_a_full_prefill_and_counted(st
     assert shed["recompute"]["requested"] == "query_attention" and shed["recompute"]["recomputed_tokens"] == 0
     assert "max_step_recompute_tokens (110)" in shed["recompute"]["reason"]
     assert sched.counters.take().data["repair_sheds"] == 1
-    again = _request("s3", RepairOptions(policy="query_attention", ratio=0.3, probe_layers=0))
+    again = _request("s3", ReuseOptions(policy="query_attention", ratio=0.3, probe_layers=0))
     assert _schedule(sched, [again])[0] == [128]
 
 
 def test_a_repair_over_the_memory_limit_is_shed(store, tmp_path):
     """The repair's cache holds the prompt (170 tokens) and a copy of the 32-token prefix: 2 (K, V) x 2 layers
     x 2 heads x 64 x 2 bytes + 16 a token, 210,080 bytes."""
-    req = _request("m1", RepairOptions(policy="query_attention", ratio=0.3))
+    req = _request("m1", ReuseOptions(policy="query_attention", ratio=0.3))
     assert _schedule(_scheduler(store, tmp_path, None, max_repair_bytes=210_080), [req])[0] == [128]
     sched = _scheduler(store, tmp_path, None, max_repair_bytes=210_079)
-    req = _request("m2", RepairOptions(policy="query_attention", ratio=0.3))
+    req = _request("m2", ReuseOptions(policy="query_attention", ratio=0.3))
     assert _schedule(sched, [req])[0] == [0]
     assert "max_repair_bytes" in _report(sched, req)["recompute"]["reason"]
 
@@ -261,7 +261,7 @@ def test_a_request_of_another_wire_version_runs_as_exact_reuse_and_is_counted(st
     """A proxy of another release sends params of another version: the connector reads none of them (no
     span loads, no recompute), runs the request as exact reuse, says why and counts it."""
     sched = _scheduler(store, tmp_path, None)
-    req = _request("req-v2", RepairOptions(policy="query_attention"), version=PROTOCOL_VERSION + 1)
+    req = _request("req-v2", ReuseOptions(policy="query_attention"), version=PROTOCOL_VERSION + 1)
     with caplog.at_level(logging.WARNING, logger="contextkit.connector"):
         loaded, meta = _schedule(sched, [req])
     assert loaded == [0] and not meta.loads

@@ -649,7 +649,7 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     recompute; recomputing every span token matches full prefill within bf16 noise; an exact request
     afterwards hits none of the repaired blocks, nor does another tenant's identical request."""
     from contextkit.bench.fidelity import top_kl
-    from contextkit.core.repair import RepairOptions
+    from contextkit.core.policy import ReuseOptions, variant
     from contextkit.core.tenancy import pic_salt
 
     salt, url = "repair-tenant", kv.a.url
@@ -665,8 +665,8 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
 
     def reuse(recompute: dict | None, at: str = url) -> tuple[dict, dict]:
         params = {"mode": "pic", "spans": spans, "salt": salt, **({"recompute": recompute} if recompute else {})}
-        variant = RepairOptions.of(recompute).variant if recompute else ""
-        out = complete(at, ids, pic_salt(salt, recompute_last=False, variant=variant),
+        named = variant(ReuseOptions(**recompute)) if recompute else ""
+        out = complete(at, ids, pic_salt(salt, recompute_last=False, variant=named),
                        kv_transfer_params={"contextkit": {**V, **params}}, logprobs=20)
         assert out["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 7 * BS
         return top_logprob(out), out["kv_transfer_params"]["contextkit"].get("recompute", {})
@@ -691,7 +691,7 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     # another tenant asking the same repaired request under its own pairing: nothing of the first's
     recompute = {"policy": "query_attention", "ratio": 0.3}
     other = complete(url, ids, pic_salt("repair-other", recompute_last=False,
-                                        variant=RepairOptions.of(recompute).variant),
+                                        variant=variant(ReuseOptions(**recompute))),
                      kv_transfer_params={"contextkit": {**V, "mode": "pic", "spans": spans, "salt": "repair-other",
                                                         "recompute": recompute}})
     assert cached(other) == 0 and other["kv_transfer_params"]["contextkit"]["loaded_tokens"] == 0
