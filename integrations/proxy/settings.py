@@ -59,7 +59,7 @@ class ProxySettings(BaseSettings):
     # below the slack, what a request in flight costs against cached blocks, in prompts' worth of blocks
     # (routing.Router.pick): 0 = the deepest cache always wins; 1 = a queued request costs a whole prefill
     route_load_weight: float = Field(0.5, ge=0)
-    # ordering a documents request by the fleet's KV events (event_order.py): candidate documents scored at
+    # ordering a documents request by the fleet's KV events (ordering/event_order.py): candidate documents scored at
     # most, and the search's deadline; past either the deepest order found so far competes with the Weaver's
     event_order_scores: int = Field(50_000, ge=0)
     event_order_deadline_ms: float = Field(250.0, ge=0)
