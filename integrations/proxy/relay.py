@@ -21,6 +21,8 @@ import yarl
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
 from contextkit.ordering.event_order import SearchLimits
+from contextkit.integrations.proxy.exchange import Exchange
+from contextkit.integrations.proxy.reuse_paths import reuse_path
 from contextkit.integrations.proxy.routes import Route, scrub_answer
 from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings
@@ -56,21 +58,21 @@ def client_request_id(headers) -> str | None:
     return text if text.isascii() and text.isprintable() else None
 
 
-def proxy_ms(t: dict) -> tuple[bytes, bytes]:
+def proxy_ms(t: Exchange) -> tuple[bytes, bytes]:
     """The proxy's own time on a request, arrival to forwarding upstream (the ``x-contextkit-proxy-ms``
     header of every answer the upstream gave)."""
-    return b"x-contextkit-proxy-ms", b"%.3f" % ((t["forwarded"] - t["t0"]) * 1e3)
+    return b"x-contextkit-proxy-ms", b"%.3f" % t.proxy_ms()
 
 
-def echo_id(t: dict) -> list[tuple[bytes, bytes]]:
+def echo_id(t: Exchange) -> list[tuple[bytes, bytes]]:
     """The client's request id back to it, if it sent one."""
-    rid = t.get("client_request_id")
+    rid = t.client_request_id
     return [(b"x-request-id", rid.encode())] if rid else []
 
 
-async def send_json(send, t: dict, status: int, obj: dict, headers: list | None = None) -> None:
+async def send_json(send, t: Exchange, status: int, obj: dict, headers: list | None = None) -> None:
     body = json.dumps(obj).encode()
-    t["status"] = status
+    t.status = status
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *echo_id(t),
         *(headers or ())]})
@@ -98,6 +100,7 @@ class Upstreams:
 
     def __init__(self, settings: ProxySettings, metrics):
         self.settings = settings
+        self.reuse = reuse_path(settings.kv_connector)  # what documents requests' opt-in to reuse does
         self.pool = UpstreamPool(settings.upstreams, settings.block_size)
         self.router = Router(self.pool.upstreams, settings)
         self.metrics = metrics
@@ -158,10 +161,10 @@ class Upstreams:
         return u
 
     async def start(self, u: Upstream, method: str, url: str, headers: dict, body: bytes | None,
-                    t: dict) -> aiohttp.ClientResponse:
+                    t: Exchange) -> aiohttp.ClientResponse:
         """Open a request to ``u`` (inside its lease). A connection failure or a 5xx answer is raised
         as our 502/504."""
-        t["forwarded"] = time.perf_counter()
+        t.forwarded = time.perf_counter()
         target = yarl.URL(u.url + url, encoded=True)  # as the client sent it: no re-quoting of path or query
         try:
             try:
@@ -179,9 +182,9 @@ class Upstreams:
             raise UpstreamError(f"upstream {u.name} answered {resp.status}: {await read_error(resp)}")
         return resp
 
-    def first_bytes(self, t: dict) -> None:
-        t["upstream_first"] = now = time.perf_counter()
-        self.metrics.first_token(now - t["t0"])
+    def first_bytes(self, t: Exchange) -> None:
+        t.upstream_first = now = time.perf_counter()
+        self.metrics.first_token(now - t.t0)
 
     async def model_len(self, u: Upstream) -> int | None:
         """The upstream's context length from ``/v1/models``, asked once (a failed lookup is retried)."""
@@ -198,14 +201,14 @@ class Upstreams:
 
     # -- pass-through: raw ASGI, no framework work per chunk ------------------------------------------
 
-    async def passthrough(self, scope, receive, send, route: Route, body: bytes | None, t: dict,
+    async def passthrough(self, scope, receive, send, route: Route, body: bytes | None, t: Exchange,
                           routed: Routed | None = None) -> None:
         """Forward a request on ``route`` to the upstream ``routed`` chose (None: the least loaded), and its
         answer as it comes: the route's own path (no query string), the body as the proxy serialized it,
         the client's headers but for hop-by-hop ones, its key and its Content-Type."""
         u = routed.choice.upstream if routed is not None else self.least_loaded()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in NOT_FORWARDED}
-        headers["x-request-id"] = t.setdefault("request_id", upstream_request_id())
+        headers["x-request-id"] = t.request_id  # the proxy's, never the client's
         if body is not None:
             headers["content-type"] = "application/json"
         sent = self.router.sent(u, routed.keys) if routed is not None else None
@@ -228,17 +231,17 @@ class Upstreams:
         self.first_bytes(t)
         content = scrub_answer(content)  # the connector's echo of what it loaded stays here
         out.append((b"content-length", str(len(content)).encode()))
-        t["status"] = resp.status
+        t.status = resp.status
         await send({"type": "http.response.start", "status": resp.status, "headers": out})
         await send({"type": "http.response.body", "body": content})
 
-    async def relay(self, u: Upstream, resp: aiohttp.ClientResponse, receive, send, headers: list, t: dict):
+    async def relay(self, u: Upstream, resp: aiohttp.ClientResponse, receive, send, headers: list, t: Exchange):
         """Stream the upstream's bytes to the client as they arrive."""
-        t["status"] = resp.status
+        t.status = resp.status
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         async with streamed(u, resp, receive, send) as stream:
             async for chunk in resp.content.iter_any():
-                if "upstream_first" not in t:
+                if t.upstream_first is None:
                     self.first_bytes(t)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             stream.done = True

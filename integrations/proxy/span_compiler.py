@@ -48,18 +48,10 @@ log = logging.getLogger("contextkit.proxy")
 SPAN_COMPILE = RequestOptions(mode="span").encode()  # a span alone at position 0, saved as span KV
 
 
-def check_options(connector: str, fields: dict) -> None:
-    """The reuse an upstream's connector offers. The request's own ``contextkit.reuse`` fields are checked
-    (not the filled-in ``ReuseOptions``, whose defaults, such as serve's ``first_k=2``, are not this path's).
-
-    ``contextkit``: without recompute, optionally recomputing the last span. ``cacheblend``: LMCache's
-    KV-deviation recompute at the ratio the upstream's LMCache config sets (one per server)."""
-    if connector == "cacheblend":
-        if fields.get("policy") != "kv_deviation" or set(fields) - {"policy"}:
-            raise InputError('this proxy\'s upstreams run LMCache\'s CacheBlend: send contextkit.reuse = {"policy": '
-                             '"kv_deviation"} (the recompute ratio is the one in the upstreams\' LMCache config)',
-                             "contextkit")
-        return
+def check_options(fields: dict) -> None:
+    """The reuse the contextkit connector offers. The request's own ``contextkit.reuse`` fields are checked
+    (not the filled-in ``ReuseOptions``, whose defaults, such as serve's ``first_k=2``, are not this path's):
+    the connector's policies and fields (``core.policy``); "none" takes ``recompute_last_span`` only."""
     policy = fields.get("policy", "budget")
     allowed = {"policy", "recompute_last_span"} if policy == "none" else REPAIR_FIELDS
     extra = set(fields) - allowed
