@@ -26,7 +26,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from contextkit.core.errors import (
-    ConfigError,
+    BodyTooLargeError,
     ContextKitError,
     PromptTooLongError,
     http_status,
@@ -40,7 +40,9 @@ from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, ch
 from contextkit.integrations.edge.answers import error_body, error_headers
 from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
 from contextkit.integrations.proxy.documents import documents
+from contextkit.integrations.proxy.exchange import Exchange
 from contextkit.integrations.proxy.planning import Planning
+from contextkit.integrations.proxy.reuse_paths import reuse_path
 from contextkit.integrations.proxy.relay import (
     Upstreams,
     client_request_id,
@@ -64,16 +66,16 @@ from contextkit.integrations.proxy.upstreams import UpstreamPool
 
 log = logging.getLogger("contextkit.proxy")
 PARSE_ON_LOOP = 256 << 10  # bytes: a body smaller than this is parsed on the event loop
+# values a body may hold besides one context of token ids (``max_json_values``' default), and the context
+# assumed while no upstream has said its own
+OTHER_VALUES, UNKNOWN_CONTEXT = 65_536, 262_144
 
 
 def tenancy_of(settings: ProxySettings) -> Tenancy:
     """The proxy's tenancy: its API keys and the secret its cache salts derive from."""
     secret = deployment_secret(settings.cache_dir, settings.secret, settings.secret_file)
     keys = load_api_keys(settings.api_keys_file, settings.api_keys)
-    if settings.kv_connector == "cacheblend" and (len(set(keys.values())) > 1 or settings.allow_client_tenant):
-        raise ConfigError("LMCache's CacheBlend keys its store without a tenant (LMCache #2878): a blending upstream "
-                          "serves one tenant. Give this proxy keys of one tenant and no allow_client_tenant, and "
-                          "run one blending deployment per tenant")
+    reuse_path(settings.kv_connector).check_deployment(settings, keys)
     return Tenancy(keys, secret, settings.allow_client_tenant)
 
 
@@ -184,32 +186,30 @@ class ProxyApp:
             return await self.lifespan(receive, send)
         if scope["type"] != "http":
             return None
-        t = scope.setdefault("state", {})
-        t["t0"] = time.perf_counter()
         # the id vLLM keys the request by is the proxy's, never a client's (one tenant guessing another's
         # would share its abort and its log lines); the client's own goes to the access log and back to it
-        t["request_id"] = upstream_request_id()
-        t["client_request_id"] = client_request_id(scope["headers"])
+        t = Exchange(upstream_request_id(), client_request_id(scope["headers"]))
         route = scope["path"]
         try:
             await self.handle(scope, receive, send, t)
         except ClientGone:
-            t.setdefault("status", 499)
+            if t.status is None:
+                t.status = 499
         except Exception as exc:  # noqa: BLE001 - every failure answers an OpenAI error, whatever it was
             if not isinstance(exc, ContextKitError):
                 log.exception("proxy error")
-            if "status" not in t:  # nothing sent yet
+            if t.status is None:  # nothing sent yet
                 headers = [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
                 await send_json(send, t, http_status(exc), error_body(exc, message=_message(exc)), headers)
             elif http_status(exc) >= 500:
                 log.warning({"route": route, "error": describe(exc)})
         finally:
-            if t.get("documents"):
+            if t.documents:
                 route = "chat_documents"
-            self.metrics.request(route, t.get("status", 0))
+            self.metrics.request(route, t.status or 0)
             self.log(scope, t)
 
-    async def handle(self, scope, receive, send, t: dict) -> None:
+    async def handle(self, scope, receive, send, t: Exchange) -> None:
         path, method = scope["path"], scope["method"]
         if path == "/health":
             if self.upstreams.pool.healthy():
@@ -218,7 +218,7 @@ class ProxyApp:
         if path == "/metrics":
             self.metrics_access(scope)
             body = self.metrics.text()
-            t["status"] = 200
+            t.status = 200
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})
             return await send({"type": "http.response.body", "body": body})
@@ -236,20 +236,22 @@ class ProxyApp:
             # a large body is parsed off the loop too (8 MiB took ~0.3 s on this 2-core machine, every stream
             # relayed meanwhile would wait); a small one costs less than the hop to a thread
             large = len(raw) >= PARSE_ON_LOOP
+            if large:
+                await self.refuse_many_values(raw)
             parsed = await self.planning.run(json_body, raw, owner=tenant.name) if large else json_body(raw)
             for name in strip_connector_fields(parsed):
                 self.metrics.stripped.labels(name).inc()
             if "request_id" in parsed:  # vLLM would key the request by it: the proxy's id replaces it
-                parsed["request_id"] = t["request_id"]
+                parsed["request_id"] = t.request_id
             if route.generates:
                 cap_fan_out(path, parsed, self.settings.max_n)  # by value: "64" and 64.0 count as 64
                 await self.refuse_past_context(path, parsed)
                 if path == "/v1/chat/completions" and ("documents" in parsed or "skills" in parsed
                                                       or "contextkit" in parsed):
-                    t["documents"] = True
+                    t.documents = True
                     return await documents(self.upstreams, self.planner(), self.tenancy, tenant, scope, receive,
                                            send, parsed, t, planning=self.planning)
-                if self.settings.kv_connector == "cacheblend":
+                if self.upstreams.reuse.guards_prompts:
                     await self.planning.run(self.refuse_blend, parsed, owner=tenant.name)
                 salt_body(route, parsed, lambda own: self.tenancy.cache_salt(tenant, own))
                 routed = await self.place(path, parsed)
@@ -257,16 +259,35 @@ class ProxyApp:
             body = await self.planning.run(_encode, parsed, owner=tenant.name) if large else _encode(parsed)
         await self.upstreams.passthrough(scope, receive, send, route, body, t, routed)
 
+    async def largest_context(self) -> int | None:
+        """The largest ``max_model_len`` of the healthy upstreams (None while none has said)."""
+        limits = [m for m in await asyncio.gather(*(self.upstreams.model_len(u) for u in self.upstreams.pool.healthy()))
+                  if m]
+        return max(limits) if limits else None
+
+    async def refuse_many_values(self, raw: bytes) -> None:
+        """A body of more JSON values than any request that fits the upstreams needs is refused (413) before it
+        is parsed. Parsing 1M token ids holds the interpreter ~0.3 s on whatever thread runs it (the parser
+        keeps the GIL), and every stream the proxy relays waits meanwhile; counting commas takes ~3 ms for
+        8 MiB. A comma in a string counts too: text that fits a context has fewer commas than tokens."""
+        cap = self.settings.max_json_values
+        if cap is None:
+            cap = (await self.largest_context() or UNKNOWN_CONTEXT) + OTHER_VALUES
+        n = raw.count(b",") + 1
+        if n > cap:
+            raise BodyTooLargeError(f"the body holds about {n} JSON values, over this proxy's limit of {cap} (one "
+                                    "context of token ids and the rest): send fewer or shorter prompts per request, "
+                                    "or raise the proxy's max_json_values")
+
     async def refuse_past_context(self, path: str, body: dict) -> None:
         """A token-id prompt longer than every healthy upstream's context is refused here (413), not parsed
         again and refused by vLLM: a megabyte-sized prompt costs vLLM's server the CPU its engine needs."""
         n = longest_ids_prompt(path, body)
         if not n:
             return
-        limits = [m for m in await asyncio.gather(*(self.upstreams.model_len(u) for u in self.upstreams.pool.healthy()))
-                  if m]
-        if limits and n > max(limits):
-            raise PromptTooLongError(f"a prompt of {n} token ids is over the upstreams' context of {max(limits)} "
+        limit = await self.largest_context()
+        if limit and n > limit:
+            raise PromptTooLongError(f"a prompt of {n} token ids is over the upstreams' context of {limit} "
                                      "tokens; shorten it", "prompt")
 
     async def place(self, path: str, body: dict) -> Routed | None:
@@ -327,10 +348,10 @@ class ProxyApp:
                 return
 
     @staticmethod
-    def log(scope, t: dict) -> None:
-        fwd, first, t0 = t.get("forwarded"), t.get("upstream_first"), t["t0"]
-        log.info({"method": scope["method"], "path": route_label(scope["path"]), "status": t.get("status"),
-                  "request_id": t.get("client_request_id"), "upstream_request_id": t.get("request_id"),
+    def log(scope, t: Exchange) -> None:
+        fwd, first, t0 = t.forwarded, t.upstream_first, t.t0
+        log.info({"method": scope["method"], "path": route_label(scope["path"]), "status": t.status,
+                  "request_id": t.client_request_id, "upstream_request_id": t.request_id,
                   "proxy_ms": round((fwd - t0) * 1e3, 3) if fwd else None,
                   "upstream_ttft_ms": round((first - fwd) * 1e3, 3) if fwd and first else None,
                   "ms_total": round((time.perf_counter() - t0) * 1e3, 3)})

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, JsonConfigSettingsSource, SettingsConfigDict
+
+from contextkit.integrations.proxy.reuse_paths import PATHS
 
 
 class ProxySettings(BaseSettings):
@@ -24,6 +25,10 @@ class ProxySettings(BaseSettings):
     cache_dir: Path = Path("~/.cache/contextkit")
     health_interval_s: float = 5.0
     max_body_bytes: int = 8 << 20  # 413 past it; a 1M-token context is ~4 MiB of text, ~7 MiB as token ids (serve's too)
+    # JSON values in a body at most, counted as its commas before it is parsed (413 past it): parsing holds
+    # the interpreter (~0.3 s for the 1M token ids 8 MiB holds), every relayed stream waiting. None: one
+    # context of token ids (the largest upstream's max_model_len, else 262,144) + 65,536 for the rest
+    max_json_values: int | None = Field(None, ge=1024)
     max_n: int = 16  # choices per request (``n``); vLLM takes thousands, each one decoding on the shared server
     graceful_shutdown_s: float = 30.0
     # tenancy (contextkit.core.tenancy): keys -> tenants; none = open, loopback only
@@ -43,7 +48,7 @@ class ProxySettings(BaseSettings):
     # "contextkit" (integrations/vllm_connector: span reuse, {"policy": "none"}), "cacheblend" (LMCache's
     # CacheBlend, integrations/vllm_connector/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by its separator),
     # "none": no opt-in, prompts only
-    kv_connector: Literal["none", "contextkit", "cacheblend"] = "none"
+    kv_connector: str = "none"  # one of reuse_paths.PATHS (checked below)
     cacheblend_separator: str = " # # "  # LMCache's blend_special_str on the upstreams (CacheBlendConfig)
     span_compiles: int = Field(2, ge=1)  # span compiles running at once (each a prefill on an upstream)
     # routing by what each upstream's prefix cache holds (integrations/proxy/routing.py). One entry per
@@ -64,6 +69,13 @@ class ProxySettings(BaseSettings):
     event_order_scores: int = Field(50_000, ge=0)
     event_order_deadline_ms: float = Field(250.0, ge=0)
     session_affinity: bool = True  # a conversation without cache hits anywhere stays on one upstream (by its key)
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, kind: str) -> str:
+        if kind not in PATHS:
+            raise ValueError(f"kv_connector must be one of {', '.join(PATHS)}, got {kind!r}")
+        return kind
 
     @model_validator(mode="after")
     def _events_match_upstreams(self) -> ProxySettings:

@@ -189,6 +189,23 @@ def test_a_token_id_prompt_past_the_upstreams_context_never_reaches_vllm(keyed):
     assert r.status_code == 200, r.text  # within the context: forwarded as before
 
 
+def test_a_body_of_more_values_than_a_context_needs_is_refused_before_it_is_parsed(keyed):
+    """Parsing a body of ~1M values holds the proxy's interpreter ~0.3 s (every relayed stream waits): a body
+    of more JSON values than one context of token ids and 65,536 more is refused (413) from its commas,
+    before it is parsed or forwarded. A large body of few values (a long string) still goes through."""
+    p, rec = keyed
+    limit = httpx.get(p.url + "/v1/models", headers=ACME, timeout=30).json()["data"][0]["max_model_len"]
+    rec.seen.clear()
+    bias = {str(i): 0 for i in range(limit + 65_536)}  # no prompt past the context: only the count is over
+    r = httpx.post(p.url + "/v1/completions", json={"model": "smol", "prompt": [5] * 8, "max_tokens": 1,
+                                                   "logit_bias": bias}, headers=ACME, timeout=60)
+    assert r.status_code == 413 and "max_json_values" in r.json()["error"]["message"], r.text
+    assert [s for s in rec.seen if s["path"] == "/v1/completions"] == []
+    big = {"model": "smol", "prompt": [5] * 8, "max_tokens": 1, "user": "x" * (300 << 10)}  # past PARSE_ON_LOOP
+    r = httpx.post(p.url + "/v1/completions", json=big, headers=ACME, timeout=120)
+    assert r.status_code == 200, r.text
+
+
 def test_request_ids_are_the_proxys(keyed):
     """vLLM keys a request by its id: the client's X-Request-Id header and body request_id never reach it
     (each request gets a fresh id of the proxy's); the client gets its own id back."""
