@@ -18,8 +18,12 @@ import time
 from contextkit.bench.boundary import abuse_cases, large_ids_body
 from contextkit.core.errors import ConfigError
 
-# hand-made abuse (fanout, planning, large: the proxy's, issue 46)
-KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers", "fanout", "planning", "large")
+# hand-made abuse (fanout, planning, large: the proxy's, issue 46; recompute: a proxy whose upstreams run
+# the contextkit connector, ``--set kv_connector=contextkit``)
+KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers", "fanout", "planning", "large",
+         "recompute")
+# words of the recompute case's passages: varied, so that no two passages share a KV block
+_WORDS = "archive ledger museum river harbor station library garden tower bridge market valley".split()
 
 
 def raw_status(port: int, data: bytes, timeout_s: float, *, read: bool = True, drop_after: int | None = None) -> int | None:
@@ -46,7 +50,23 @@ def _http(path: str, body: bytes, key: str | None, ctype: str = "application/jso
             f"\r\nconnection: close\r\n\r\n").encode() + body
 
 
-def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, dict]]:
+def _recompute_case(model: str, me: str, pick: int) -> bytes:
+    """Item 5 of issue 46: a documents request of ~2k tokens asking to recompute every span token through
+    all layers (the connector's operator limits clamp it inside vLLM). Its 6 passages come from a pool of
+    12 in an order ``pick`` chooses: the first requests compute and save them, later ones load them moved
+    and repair them."""
+    rng = random.Random(pick)
+    docs = [{"id": f"r{i}", "text": f"Entry {i}: " + " ".join(
+        _WORDS[(i * k) % len(_WORDS)] + str((i * k * 7919) % 99991) for k in range(1, 60))}
+        for i in rng.sample(range(12), 6)]
+    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Which entry is first?"}],
+            "documents": docs, "contextkit": {"reuse": {"policy": "query_attention", "ratio": 1.0,
+                                                        "max_recompute": None, "probe_layers": 0}}}
+    return _http("/v1/chat/completions", json.dumps(body).encode(), me)
+
+
+def _handmade(server: str, max_body: int, model: str, connector: bool = False,
+              pick: int = 0) -> list[tuple[str, bytes, dict]]:
     """(kind, raw request, how to send it) of one round of hand-made abuse."""
     chat = "/v1/chat/completions"
     q = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Who wrote it?"}]}
@@ -72,12 +92,14 @@ def _handmade(server: str, max_body: int, model: str) -> list[tuple[str, bytes, 
             {"model": model, "prompt": "Hello", "max_tokens": 2, "cache_salt": "good0"}).encode(), me), {}))
         out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks, fan-out
         out.append(("large", _http("/v1/completions", large_ids_body(model, max_body), me), {"big": True}))
+        if connector:
+            out.append(("recompute", _recompute_case(model, me, pick), {}))
     out.append(("oversized", _http(chat, b'{"pad": "' + b"x" * (max_body + 16) + b'"}', me), {"big": True}))
     return out
 
 
 def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-           handmade_threads: int, rate: float, skip: frozenset[str], out) -> None:
+           handmade_threads: int, rate: float, skip: frozenset[str], connector: bool, out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
     its counts go to ``out``."""
     os.nice(10)
@@ -85,6 +107,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
     port = int(url.rsplit(":", 1)[1])
     counts = {"fuzz": 0, **{kind: 0 for kind in KINDS}, "server_errors": 0, "hangs": 0, "spoof_accepted": 0,
+              "statuses": {},  # kind -> {status: requests}: what each kind of abuse got
               "findings": []}
     lock = threading.Lock()
     allowed = set().union(*documented(server).values())
@@ -115,7 +138,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
         rounds = 0
         due = time.monotonic()
         while time.monotonic() < deadline:
-            for kind, raw, how in _handmade(server, max_body, model):
+            for kind, raw, how in _handmade(server, max_body, model, connector, random.randrange(1 << 30)):
                 if kind in skip:
                     continue
                 if how.get("big") and rounds % 10:
@@ -144,6 +167,9 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
                     note(server_errors=1, finding=f"{kind}: {status}")
                 elif status is not None and status > 0 and status not in allowed | {404}:
                     note(finding=f"{kind}: undocumented status {status}")
+                with lock:
+                    got = counts["statuses"].setdefault(kind, {})
+                    got[str(status)] = got.get(str(status), 0) + 1
                 if how.get("must_refuse") and status is not None and 200 <= status < 300:
                     note(spoof_accepted=1)
             rounds += 1
@@ -159,7 +185,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
 
 def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-                  handmade_threads: int, rate: float, skip: frozenset[str] = frozenset()):
+                  handmade_threads: int, rate: float, skip: frozenset[str] = frozenset(), connector: bool = False):
     """The abuser in its own process; ``skip`` names kinds it leaves out (``KINDS`` or ``schemathesis``), to
     measure what each costs the good tenants."""
     unknown = skip - {*KINDS, "schemathesis"}
@@ -169,6 +195,6 @@ def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: f
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate,
-                                            skip, q), daemon=True)
+                                            skip, connector, q), daemon=True)
     proc.start()
     return proc, q

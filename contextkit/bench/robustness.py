@@ -86,7 +86,8 @@ def _server(ctx: BenchContext, server: str, url_of: dict, keys_file: Path, cpus:
               "log_file": logs / f"bench-robustness-{server}.log"}
     keys = ["--api-keys-file", str(keys_file), "--metrics-key", METRICS_KEY]
     if server == "proxy":
-        return proxy_process(upstream=url_of["vllm"], args=keys, **common).start()
+        connector = ["--kv-connector", "contextkit"] if url_of.get("connector") else []
+        return proxy_process(upstream=url_of["vllm"], args=[*keys, *connector], **common).start()
     remote = ["--kv-remote-url", url_of["redis"]] if url_of.get("redis") else []
     return serve_process(args=[*remote, *keys], **common).start()
 
@@ -110,7 +111,8 @@ def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, strea
     abuser, q = start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
                              o(f"{server}_abuse_threads", 8 if server == "serve" else 3, int),
                              o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float),
-                             o("abuse_skip", frozenset(), lambda v: frozenset(filter(None, v.split(",")))))
+                             o("abuse_skip", frozenset(), lambda v: frozenset(filter(None, v.split(",")))),
+                             connector=o("kv_connector", "none") == "contextkit" and server == "proxy")
     good = asyncio.run(good_streams(url, work, streams, duration_s, max_tokens, timeout_s))
     try:
         counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
@@ -142,6 +144,11 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
         row.update(forged_entries_served=forged, forged_documents_asked=asked,
                    forged_entries_rejected=int(_corrupt(url) - rejected0))
     health = raw_status(proc.port, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", 10)
+    if url_of.get("connector"):  # what the connector did with the recompute abuse (its counters in vLLM's /metrics)
+        got = scrape_metrics(url_of["vllm"])
+        row.update({f"connector_{k}": int(got.get(f"contextkit_connector_{k}_total", 0))
+                    for k in ("loaded_tokens", "repairs", "repaired_tokens", "repair_clamps", "repair_sheds",
+                              "policy_fallbacks")})
     return {"base": base, "under": under, "counts": counts, "rss": (rss0, rss1), "kv": (kv0, kv1),
             "probes": (sent, leaks, armed, what), "health": health}
 
@@ -179,6 +186,7 @@ def _row(server: str, row: dict, m: dict, logs: Path) -> dict:
     else:
         row["rss_growth"] = round(rss1 / rss0 - 1, 4)
     row["_findings"] = (counts["findings"] + what)[:20]  # moved to the summary (a list does not fit a table)
+    row["_statuses"] = counts["statuses"]  # likewise: the statuses each kind of abuse got
     return row
 
 
@@ -208,10 +216,20 @@ def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, st
     )
 
     url_of, upstream = {}, ctx.option("upstream", "")
+    connector = ctx.option("kv_connector", "none")
+    if connector not in ("none", "contextkit"):
+        raise ConfigError(f"--set kv_connector takes none or contextkit, got {connector!r}")
     if "proxy" in servers:
         if not upstream:
             model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
-            vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, cpus=engine_cpus,
+            extra: tuple[str, ...] = ()
+            if connector == "contextkit":  # the connector on a disk tier, with its default operator limits
+                from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
+
+                disk = Path(tempfile.mkdtemp(prefix="ctxk-robust-"))
+                extra = tuple(vllm_args(ConnectorSettings(disk_dir=disk, cache_dir=ctx.config.cache_dir)))
+                url_of["connector"] = "contextkit"
+            vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, cpus=engine_cpus, extra_args=extra,
                                                log_file=logs / "bench-robustness-vllm.log"))
             started.append(vllm.start())
             upstream = vllm.url
@@ -232,6 +250,7 @@ def _summary(rows: list[dict]) -> dict:
     for r in rows:
         summary.update({f"{r['server']}_{k}": r[k] for k in WORST if k in r})
         summary[f"{r['server']}_findings"] = r.pop("_findings")
+        summary[f"{r['server']}_abuse_statuses"] = r.pop("_statuses")
     summary["requests"] = sum(r["good_requests_baseline"] + r["good_requests_abuse"] + r["fuzz_requests"] for r in rows)
     return summary
 
@@ -244,6 +263,7 @@ def _config(ctx: BenchContext, servers: list[str]) -> dict:
                                                  ("serve_streams", 8), ("probes", 16), ("max_tokens", 8),
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,
+                  kv_connector=ctx.option("kv_connector", "none"), abuse_skip=ctx.option("abuse_skip", ""),
                   rate_limit={"serve": "10/20 (its default)", "proxy": "none (its default)"},
                   upstream=ctx.option("upstream", "") or "started by the bench")
     return config
