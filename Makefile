@@ -42,10 +42,12 @@ serve: venv
 # The suite talks to real services: tools/with_services.py starts them on loopback (vLLM on the
 # prepared default model, Redis, lmcache_server), exports their URLs, runs pytest and stops them by
 # PID, pass or fail.
-# lint-imports checks the layer contracts in pyproject.toml (import-linter) before any test runs.
+# lint-imports checks the layer contracts in pyproject.toml (import-linter) and ruff the code (pyflakes,
+# import order) before any test runs.
 # --durations=25 lists the slowest tests at the end of the log (what to look at when the suite slows down).
 test: venv services-deps
 	$(BIN)/python tools/lint_layers.py
+	$(BIN)/ruff check .
 	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q --durations=25
 
 # The quicker check while editing: the layer contracts, then every test that needs no vLLM server and is
@@ -57,6 +59,7 @@ test: venv services-deps
 # `make test` still runs everything.
 test-fast: venv
 	$(BIN)/python tools/lint_layers.py
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not vllm and not slow" --durations=10
 
 # Redis for the remote KV tier comes from Debian (lmcache_server comes with the lmcache wheel).

@@ -27,7 +27,8 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(["Answer", "ReuseSummary"], "contextkit.sdk.shapes"),
     **dict.fromkeys(["Generation", "SamplingParams"], "contextkit.core.generation"),
     "KVCache": "contextkit.core.kvcache",
-    **dict.fromkeys(["PlanItem", "RequestPlan", "ReuseOptions", "ReuseReport"], "contextkit.core.plan"),
+    **dict.fromkeys(["PlanItem", "RequestPlan", "ReuseReport"], "contextkit.core.plan"),
+    "ReuseOptions": "contextkit.core.policy",
     **dict.fromkeys(["ChatRequest", "Planner"], "contextkit.core.planner"),
     **dict.fromkeys(["Client", "Session"], "contextkit.sdk.session"),
     "Tenant": "contextkit.core.tenant",
@@ -126,8 +127,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports, never r
     from contextkit.core.generation import Generation, SamplingParams
     from contextkit.core.kvcache import KVCache
     from contextkit.core.plan import PlanItem, RequestPlan, ReuseReport
-    from contextkit.core.policy import ReuseOptions
     from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.policy import ReuseOptions
     from contextkit.core.tenant import Tenant
     from contextkit.core.types import Evidence, Message, Skill, Span
     from contextkit.engine import Engine

@@ -16,8 +16,8 @@ from contextkit.core.config import ContextKitConfig
 from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.models import Progress, resolve_model_dir
 from contextkit.core.plan import RequestPlan, ReuseReport
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest, Ordering, Planner
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tenancy import derive
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer

@@ -16,8 +16,8 @@ import torch
 from contextkit.core.engine import KVEngine
 from contextkit.core.errors import EmptyInputError, KVCacheError, PromptTooLongError
 from contextkit.core.generation import GREEDY_BELOW, Generation, SamplingParams  # noqa: F401 - re-exported
-from contextkit.core.sampling import sample  # noqa: F401 - re-exported
 from contextkit.core.kvcache import KVCache
+from contextkit.core.sampling import sample  # noqa: F401 - re-exported
 
 
 class Detokenizer(Protocol):

@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from contextkit.core.spec import ModelSpec
 from contextkit.core.errors import CorruptModelError
+from contextkit.core.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

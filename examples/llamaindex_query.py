@@ -15,7 +15,10 @@ from pathlib import Path
 
 import contextkit
 from contextkit.integrations.frameworks.llamaindex import (
-    ContextKitLLM, ContextKitQueryEngine, ContextKitReorderPostprocessor, EvidenceRetriever,
+    ContextKitLLM,
+    ContextKitQueryEngine,
+    ContextKitReorderPostprocessor,
+    EvidenceRetriever,
 )  # fmt: skip
 from contextkit.synthesis.embed import Embedder, VectorIndex
 

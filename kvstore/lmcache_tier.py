@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contextkit.core.errors import ConfigError, CorruptEntryError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.kvstore.deadline import Deadline
 from contextkit.kvstore.entry import ENC_KEY_BYTES, MAC_BYTES, Entry, decode, encode
@@ -64,8 +65,6 @@ from contextkit.kvstore.lmcache_backend import (
     tenant_tag,
 )
 from contextkit.kvstore.lmcache_remote import RemoteHealth
-
-from contextkit.core.errors import ConfigError, CorruptEntryError
 
 # LMCache's side (config mapping, keys, patches) lives in lmcache_backend, a remote tier's health in
 # lmcache_remote; the names below stay importable from here, where they always were.

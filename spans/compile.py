@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
-from contextkit.core.kvcache import KVCache
 from contextkit.core.engine import KVEngine
+from contextkit.core.kvcache import KVCache
+from contextkit.core.tenant import Tenant
+from contextkit.core.types import Span
 from contextkit.kernels.rerotate import Rerotator
 from contextkit.spans.key import ModelIdentity, SpanKey, span_key
 from contextkit.spans.store import CompiledSpan
-from contextkit.core.tenant import Tenant
-from contextkit.core.types import Span
 
 
 def model_identity(engine: KVEngine, tokenizer_fingerprint: str = "") -> ModelIdentity:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from contextkit.core.kvcache import KVCache
 from contextkit.core.engine import KVEngine
+from contextkit.core.kvcache import KVCache
 from contextkit.core.policy import ReuseOptions
 
 

@@ -70,8 +70,8 @@ class KVSpanStore:
 
     def __init__(self, store=None):
         if store is None:
-            from contextkit.kvstore.tiered import TieredStore
             from contextkit.kvstore.memory import MemoryTier
+            from contextkit.kvstore.tiered import TieredStore
 
             store = TieredStore([MemoryTier()])
         self.kv = store

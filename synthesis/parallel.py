@@ -30,10 +30,10 @@ import torch
 from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, EmptyInputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.sampling import sample
 from contextkit.core.kvcache import KVCache
 from contextkit.core.plan import PlanItem, RequestPlan
 from contextkit.core.policy import ReuseOptions
+from contextkit.core.sampling import sample
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Span
 from contextkit.spans.compile import rotate_layers

@@ -19,9 +19,9 @@ import torch
 
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.sampling import sample
 from contextkit.core.plan import ReuseReport
 from contextkit.core.policy import ReuseOptions
+from contextkit.core.sampling import sample
 from contextkit.core.tenant import Tenant
 from contextkit.spans.key import span_key
 from contextkit.spans.store import CompiledSpan

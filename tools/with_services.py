@@ -31,9 +31,9 @@ def main(argv: list[str]) -> int:
         print("usage: with_services.py -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     cmd = argv[argv.index("--") + 1 :]
+    from contextkit.core.models import prepare
     from contextkit.integrations.launchers.services import lmcache_server, redis_server
     from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
-    from contextkit.core.models import prepare
 
     logs = Path(os.environ.get("CONTEXTKIT_SERVICES_LOG_DIR", REPO / ".services-logs"))
     logs.mkdir(parents=True, exist_ok=True)

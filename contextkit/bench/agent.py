@@ -35,8 +35,8 @@ from pathlib import Path
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import kl_divergence
 from contextkit.core.errors import InputError, PromptTooLongError
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import ROLES, Message
 
 SHARED_TRACES = Path("../shared/data/traces/swe_agent_traces.jsonl")

@@ -35,8 +35,8 @@ from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import Planner
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache

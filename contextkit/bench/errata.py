@@ -41,8 +41,8 @@ import torch
 
 from contextkit.bench.harness import Tick, median
 from contextkit.core.plan import PlanItem, RequestPlan
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill, Span
 from contextkit.spans.compile import rotate_layers

@@ -100,7 +100,8 @@ def fuzz(url: str, server: str, examples: int, api_key: str | None = None, *, ti
     """Send ``examples`` generated cases (or as many as fit before ``deadline_s`` seconds) to ``url``."""
     import requests  # schemathesis's transport
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
 

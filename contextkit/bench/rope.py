@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, timing_stats, time_ms
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, time_ms, timing_stats
+from contextkit.core.models import resolve_model_dir
 from contextkit.engine.model import Engine, parse_dtype
 from contextkit.kernels.rerotate import Rerotator, rerotate_reference
 from contextkit.kernels.rope import rope
-from contextkit.core.models import resolve_model_dir
 
 
 def _times(fn, reps: int) -> list[float]:

@@ -42,14 +42,14 @@ import time
 from pathlib import Path
 
 from contextkit.bench.errata import run_errata
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.fidelity import answered, score
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.plan import RequestPlan
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import Skill
 
 SHARED_SKILLS = Path("../shared/data/skills")

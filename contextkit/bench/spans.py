@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
 from contextkit.bench.calibrate import BUDGETS
 from contextkit.bench.data import (
     QARecord,
@@ -52,17 +53,16 @@ from contextkit.bench.data import (
     shared_half,
     split,
 )
-from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.fidelity import answered, gold_ids, score
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
 from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import Planner
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache

@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 
 from contextkit.bench.data import load_records, sample, split
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.fidelity import answered, gold_ids, score
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams

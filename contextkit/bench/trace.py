@@ -48,8 +48,8 @@ from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, pe
 from contextkit.bench.metrics import answer_f1, token_f1
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.stream_client import stream
-from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
 from contextkit.bench.workload import TraceRequest
+from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
 from contextkit.core.models import prepare
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.launchers.servers import proxy_process, serve_process

@@ -15,11 +15,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
-from contextkit.core.errors import ContextKitError, EmptyInputError, InputError
-
 from contextkit.cli.common import CacheOpt, ModelOpt, _fail, _need_local, _status, app, err, out, parse_sets
 from contextkit.cli.models import models_app
+from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
+from contextkit.core.errors import ContextKitError, EmptyInputError, InputError
 
 app.add_typer(models_app, name="models")
 
@@ -76,8 +75,8 @@ def generate(
     """Answer a question over documents on the built-in engine."""
     _need_local("generate")
     from contextkit.core.generation import SamplingParams
-    from contextkit.kit import ContextKit
     from contextkit.core.types import Evidence
+    from contextkit.kit import ContextKit
 
     try:
         req = _load_request(input_file, question, document)
@@ -236,7 +235,12 @@ def connector(
         return
     if backend != "cacheblend":
         _fail(f"--backend must be contextkit or cacheblend, got {backend!r}")
-    from contextkit.integrations.vllm_connector.cacheblend import CacheBlendConfig, vllm_args, vllm_env, write_lmcache_config
+    from contextkit.integrations.vllm_connector.cacheblend import (
+        CacheBlendConfig,
+        vllm_args,
+        vllm_env,
+        write_lmcache_config,
+    )
 
     if out is None:
         _fail("--backend cacheblend writes LMCache's config: give --out FILE (e.g. lmcache-blend.yaml)")

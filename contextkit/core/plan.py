@@ -25,6 +25,7 @@ from contextkit.core.policy import ReuseOptions  # the recompute policy's option
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Span
 
+
 @dataclass(frozen=True, slots=True)
 class PlanItem:
     """One span of a request.

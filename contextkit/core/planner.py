@@ -22,7 +22,7 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from cachetools import LRUCache
 
@@ -31,8 +31,17 @@ from contextkit.core.errors import ConfigError, EmptyInputError, InputError, Pro
 from contextkit.core.plan import PlanItem, RequestPlan
 from contextkit.core.policy import ReuseOptions
 from contextkit.core.prompt import (
-    DEFAULT_SYSTEM, MARK, RELEVANCE_HINTS, SKILLS_MARK, TURN_MARK, Part, render_document, render_erratum, render_pieces,
-    render_relevance_hint, render_skill,
+    DEFAULT_SYSTEM,
+    MARK,
+    RELEVANCE_HINTS,
+    SKILLS_MARK,
+    TURN_MARK,
+    Part,
+    render_document,
+    render_erratum,
+    render_pieces,
+    render_relevance_hint,
+    render_skill,
 )
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span

@@ -24,12 +24,19 @@ from typing import Any
 
 import httpx
 
-from contextkit.sdk.shapes import Answer, Call, ReuseSummary
 from contextkit.core.errors import (
-    AuthenticationError, BodyTooLargeError, ContextKitError, InputError, OverloadedError, PermissionDeniedError,
-    UpstreamError, UpstreamTimeoutError, error_class,
+    AuthenticationError,
+    BodyTooLargeError,
+    ContextKitError,
+    InputError,
+    OverloadedError,
+    PermissionDeniedError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    error_class,
 )  # fmt: skip
 from contextkit.core.types import Skill
+from contextkit.sdk.shapes import Answer, Call, ReuseSummary
 from contextkit.synthesis.skills import SkillLibrary
 
 

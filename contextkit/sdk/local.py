@@ -11,8 +11,8 @@ from typing import Any
 
 from contextkit.core.errors import EmptyInputError
 from contextkit.core.generation import SamplingParams
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.prompt import render_document
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Skill

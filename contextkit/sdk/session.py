@@ -21,11 +21,11 @@ import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from contextkit.sdk.shapes import Answer, Call, Transport
 from contextkit.core.errors import ConfigError, EmptyInputError, InputError
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import content_id
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import ROLES, Evidence, Message, Skill
+from contextkit.sdk.shapes import Answer, Call, Transport
 
 DocumentLike = Evidence | str | dict
 MessageLike = Message | dict

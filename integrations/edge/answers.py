@@ -10,8 +10,6 @@ import uuid
 from contextkit.core.errors import AuthenticationError, OverloadedError, error_kind  # fmt: skip
 from contextkit.integrations.edge.shapes import AssistantMessage, ChatChoice, ChunkChoice, Completion, TextChoice, Usage
 
-
-
 # OpenAI's error ``type`` for an answer that is a status alone (a route's 404), not one of our exceptions
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "invalid_request_error", 415: "invalid_request_error",

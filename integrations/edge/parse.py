@@ -13,12 +13,11 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from contextkit.core.errors import BodyTooLargeError, ConfigError, InputError, MalformedBodyError  # fmt: skip
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message, Skill, skill_version
 from contextkit.integrations.edge.shapes import ChatBody, ContextkitOptions, ReuseIn, check_utf8
-
 
 
 def validate(model: type[BaseModel], body: dict) -> Any:

@@ -6,10 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from contextkit.core.planner import content_id
-from contextkit.sdk.session import Client
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Evidence
 from contextkit.ordering.weaver import Weaver
+from contextkit.sdk.session import Client
 
 
 def client_of(client: Any, base_url: str | None, api_key: str | None, model: str | None, timeout_s: float,

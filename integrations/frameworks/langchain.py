@@ -31,12 +31,12 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by a test in a subprocess
     raise ImportError("contextkit.integrations.frameworks.langchain needs langchain-core: pip install 'contextkit[langchain]'") from exc
 
-from contextkit.sdk.shapes import Answer
 from contextkit.core.errors import InputError
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message
 from contextkit.integrations.frameworks.adapter import client_of, reuse_order
 from contextkit.ordering.weaver import Weaver
+from contextkit.sdk.shapes import Answer
 
 ROLE = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "developer": "developer"}
 

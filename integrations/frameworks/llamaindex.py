@@ -21,8 +21,14 @@ from typing import Any
 
 try:
     from llama_index.core.base.llms.types import (
-        ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen, CompletionResponse,
-        CompletionResponseAsyncGen, CompletionResponseGen, LLMMetadata,
+        ChatMessage,
+        ChatResponse,
+        ChatResponseAsyncGen,
+        ChatResponseGen,
+        CompletionResponse,
+        CompletionResponseAsyncGen,
+        CompletionResponseGen,
+        LLMMetadata,
     )  # fmt: skip
     from llama_index.core.base.response.schema import Response
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
@@ -36,13 +42,13 @@ except ImportError as exc:  # pragma: no cover - exercised by a test in a subpro
     raise ImportError("contextkit.integrations.frameworks.llamaindex needs llama-index-core: "
                       "pip install 'contextkit[llamaindex]'") from exc
 
-from contextkit.sdk.shapes import Answer
 from contextkit.core.errors import InputError
 from contextkit.core.planner import content_id
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message
 from contextkit.integrations.frameworks.adapter import client_of, reuse_order
 from contextkit.ordering.weaver import Weaver
+from contextkit.sdk.shapes import Answer
 
 
 def to_evidence(node: Any, i: int = 0) -> Evidence | str | dict:

@@ -35,14 +35,13 @@ from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
 from contextkit.core.tenancy import Tenancy, check_bind, deployment_secret, load_api_keys
 from contextkit.core.tokenizer import Tokenizer
-from contextkit.integrations.vllm_connector.cacheblend import refuse_unasked_blend
-from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access, route_label
 from contextkit.integrations.edge.answers import error_body, error_headers
+from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access, route_label
 from contextkit.integrations.edge.parse import ClientGone, json_body, read_body
+from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.proxy.documents import documents
 from contextkit.integrations.proxy.exchange import Exchange
 from contextkit.integrations.proxy.planning import Planning
-from contextkit.integrations.proxy.reuse_paths import reuse_path
 from contextkit.integrations.proxy.relay import (
     Upstreams,
     client_request_id,
@@ -50,7 +49,7 @@ from contextkit.integrations.proxy.relay import (
     send_json,
     upstream_request_id,
 )
-from contextkit.integrations.proxy.routing import Routed, Router, render_keys, session_key
+from contextkit.integrations.proxy.reuse_paths import reuse_path
 from contextkit.integrations.proxy.routes import (
     cap_fan_out,
     check_json,
@@ -60,9 +59,10 @@ from contextkit.integrations.proxy.routes import (
     salt_body,
     strip_connector_fields,
 )
+from contextkit.integrations.proxy.routing import Routed, Router, render_keys, session_key
 from contextkit.integrations.proxy.settings import ProxySettings
-from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.proxy.upstreams import UpstreamPool
+from contextkit.integrations.vllm_connector.cacheblend import refuse_unasked_blend
 
 log = logging.getLogger("contextkit.proxy")
 PARSE_ON_LOOP = 256 << 10  # bytes: a body smaller than this is parsed on the event loop

@@ -20,7 +20,6 @@ import yarl
 
 from contextkit.core.errors import NoUpstreamError, UpstreamError, UpstreamTimeoutError
 from contextkit.integrations.edge.answers import error_body, sse
-from contextkit.ordering.event_order import SearchLimits
 from contextkit.integrations.proxy.exchange import Exchange
 from contextkit.integrations.proxy.reuse_paths import reuse_path
 from contextkit.integrations.proxy.routes import Route, scrub_answer
@@ -28,6 +27,7 @@ from contextkit.integrations.proxy.routing import Routed, Router
 from contextkit.integrations.proxy.settings import ProxySettings
 from contextkit.integrations.proxy.span_compiler import SpanCompiler
 from contextkit.integrations.proxy.upstreams import Upstream, UpstreamPool
+from contextkit.ordering.event_order import SearchLimits
 
 HOP = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"accept-encoding"}
 # the client's key is for us (the upstream gets its own); its Content-Type is the proxy's to set; the

@@ -28,7 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from contextkit.core.errors import (
-    ConfigError, ContextKitError, InputError, OverloadedError, http_status,
+    ConfigError,
+    ContextKitError,
+    InputError,
+    OverloadedError,
+    http_status,
 )  # fmt: skip
 from contextkit.core.generation import SamplingParams
 from contextkit.core.planner import ChatRequest

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from contextkit.core.errors import ConfigError
 from contextkit.core.align import align, pad_to_block
+from contextkit.core.errors import ConfigError
 
 
 def test_every_document_starts_on_a_block_boundary():

@@ -9,7 +9,12 @@ import stat
 import pytest
 
 from contextkit.core.errors import (
-    AuthenticationError, ConfigError, InputError, PermissionDeniedError, RateLimitError, http_status,
+    AuthenticationError,
+    ConfigError,
+    InputError,
+    PermissionDeniedError,
+    RateLimitError,
+    http_status,
 )
 from contextkit.core.tenancy import Tenancy, check_bind, derive, load_api_keys, load_secret
 from contextkit.core.tenant import Tenant

@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from contextkit.core.generation import SamplingParams
-from contextkit.engine.generate import Stream, generate, sample
-from contextkit.engine.model import Engine
 from contextkit.core.errors import ConfigError, EmptyInputError, PromptTooLongError
+from contextkit.core.generation import SamplingParams
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence
+from contextkit.engine.generate import Stream, generate, sample
+from contextkit.engine.model import Engine
 
 
 @pytest.fixture(scope="module")

@@ -40,16 +40,18 @@ def main(url: str, example: str) -> dict:
             out[what] = str(exc)
     out["engine_after_sdk"] = engine_modules()
 
-    from contextkit.integrations.frameworks.langchain import ChatContextKit
     from langchain_core.documents import Document
+
+    from contextkit.integrations.frameworks.langchain import ChatContextKit
 
     llm = ChatContextKit(base_url=url, max_tokens=4, tenant="light-lc")
     lc = [Document(page_content=d["text"], id=d["id"], metadata={"title": d["title"]}) for d in docs]
     a, b = llm.invoke(question, documents=lc), llm.invoke(question, documents=lc[::-1])
     out["langchain"] = orders(a.response_metadata["contextkit"], b.response_metadata["contextkit"])
 
-    from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
     from llama_index.core.schema import NodeWithScore, TextNode
+
+    from contextkit.integrations.frameworks.llamaindex import ContextKitLLM
 
     li = ContextKitLLM(base_url=url, max_tokens=4, tenant="light-li")
     nodes = [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata={"title": d["title"]}), score=1.0)

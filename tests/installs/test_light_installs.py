@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from contextkit.integrations.launchers.servers import proxy_process
 
 from contextkit.bench.installs import ROLES, build_wheel, import_probe, install, venv_mb
+from contextkit.integrations.launchers.servers import proxy_process
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent

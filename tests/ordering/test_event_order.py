@@ -9,8 +9,8 @@ import pytest
 from contextkit.core.planner import ChatRequest, FixedOrder, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
-from contextkit.ordering.event_order import SearchLimits, event_order
 from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, keys_by, prompt_keys
+from contextkit.ordering.event_order import SearchLimits, event_order
 
 BS = 32
 

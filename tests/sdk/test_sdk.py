@@ -9,14 +9,19 @@ import pytest
 
 import contextkit
 from contextkit.core.errors import (
-    AuthenticationError, ConfigError, EmptyInputError, InputError, PermissionDeniedError, PromptTooLongError,
+    AuthenticationError,
+    ConfigError,
+    EmptyInputError,
+    InputError,
+    PermissionDeniedError,
+    PromptTooLongError,
     UpstreamError,
 )  # fmt: skip
 from contextkit.core.planner import ChatRequest, Planner
-from contextkit.sdk.session import Client
 from contextkit.core.types import Evidence, Message
 from contextkit.integrations.launchers.process import free_port
 from contextkit.sdk.local import LocalTransport
+from contextkit.sdk.session import Client
 
 
 @pytest.fixture(scope="module")

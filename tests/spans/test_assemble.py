@@ -7,20 +7,20 @@ import dataclasses
 import pytest
 import torch
 
+from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
 from contextkit.core.generation import SamplingParams
+from contextkit.core.plan import PlanItem, RequestPlan
+from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.policy import ReuseOptions
+from contextkit.core.tenant import Tenant
+from contextkit.core.tokenizer import Tokenizer
+from contextkit.core.types import Evidence, Message, Span
 from contextkit.engine.generate import generate
 from contextkit.engine.model import Engine
-from contextkit.core.errors import ConfigError, EmptyInputError, InputError, PromptTooLongError
-from contextkit.core.plan import PlanItem, RequestPlan
-from contextkit.core.policy import ReuseOptions
-from contextkit.core.planner import ChatRequest, Planner
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
 from contextkit.spans.prefix import chain_key
 from contextkit.spans.store import KVSpanStore
-from contextkit.core.tenant import Tenant
-from contextkit.core.tokenizer import Tokenizer
-from contextkit.core.types import Evidence, Message, Span
 
 TOL = 1e-3
 

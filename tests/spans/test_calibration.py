@@ -13,9 +13,16 @@ from hypothesis import strategies as st
 
 from contextkit.core.errors import CalibrationError, ConfigError, InputError
 from contextkit.core.policy import DEFAULT_FIDELITY_BUDGET, ReuseOptions
-from contextkit.spans.calibration import (Band, CalibrationProfile, Point, find_profile, minimum_prompts,
-                                         profile_path, upper_bound)
 from contextkit.spans.assemble import SpanCache
+from contextkit.spans.calibration import (
+    Band,
+    CalibrationProfile,
+    Point,
+    find_profile,
+    minimum_prompts,
+    profile_path,
+    upper_bound,
+)
 
 DIGEST = "ab" * 32
 

@@ -4,7 +4,6 @@ by meaning, the canonical block on the prompt path, splicing on the KV path (exa
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ import torch
 from contextkit import ContextKit
 from contextkit.core.errors import ConfigError
 from contextkit.core.plan import RequestPlan
-from contextkit.core.policy import ReuseOptions
 from contextkit.core.planner import ChatRequest, Planner
+from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Skill
 from contextkit.synthesis.skills import ErrataRule, SkillError, SkillLibrary, parse_skill

@@ -9,9 +9,9 @@ import pytest
 from contextkit import ContextKit
 from contextkit.bench.fuzz import fuzz
 from contextkit.core.tenancy import Tenancy
-from contextkit.integrations.proxy.openapi import proxy_openapi_schema
-from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.edge.ratelimit import RateLimit
+from contextkit.integrations.proxy import ProxySettings, create_app
+from contextkit.integrations.proxy.openapi import proxy_openapi_schema
 from contextkit.integrations.serve.app import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import pytest
 from contextkit.core.errors import ConfigError, RateLimitError, http_status
 from contextkit.core.tenancy import Tenancy, Tenant
 from contextkit.integrations.edge.answers import error_headers
-from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
+from contextkit.integrations.proxy import ProxySettings, create_app
 
 KEYS = {"key-acme-0001": "acme", "key-globex-01": "globex"}
 

@@ -19,7 +19,10 @@ import contextkit  # noqa: E402
 from contextkit.core.errors import AuthenticationError  # noqa: E402
 from contextkit.core.types import Evidence  # noqa: E402
 from contextkit.integrations.frameworks.llamaindex import (  # noqa: E402
-    ContextKitLLM, ContextKitQueryEngine, ContextKitReorderPostprocessor, EvidenceRetriever,
+    ContextKitLLM,
+    ContextKitQueryEngine,
+    ContextKitReorderPostprocessor,
+    EvidenceRetriever,
 )  # fmt: skip
 
 

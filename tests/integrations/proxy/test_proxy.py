@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.launchers.process import free_port
+from contextkit.integrations.proxy import ProxySettings, create_app
 
 pytestmark = pytest.mark.slow
 

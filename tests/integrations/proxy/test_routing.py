@@ -220,12 +220,11 @@ def test_a_few_shared_blocks_do_not_outweigh_a_queued_request_but_a_long_prefix_
 def test_the_fleets_events_recover_the_order_another_replica_sent(smol_dir, passage_text):
     """A session's next request reaches a proxy replica whose Weaver never saw the order its first request
     was sent in: the order the servers hold is found from their events."""
-    from contextkit.core.planner import ChatRequest, Planner
+    from contextkit.core.planner import ChatRequest, FixedOrder, Planner
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.core.types import Evidence, Message
-    from contextkit.core.planner import FixedOrder
-    from contextkit.ordering.event_order import event_order
     from contextkit.integrations.proxy.kv_index import BlockIndex, FleetIndex, keys_by
+    from contextkit.ordering.event_order import event_order
 
     planner = Planner(Tokenizer(smol_dir), block_size=32)
     docs = tuple(Evidence(passage_text[i * 600 : (i + 1) * 600], id=f"d{i}") for i in range(5))

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from contextkit.core.errors import ConfigError
-from contextkit.integrations.proxy.upstreams import UpstreamPool
 from contextkit.core.types import Doc
+from contextkit.integrations.proxy.upstreams import UpstreamPool
 
 
 def _docs(ids):

@@ -10,12 +10,11 @@ import uuid
 import pytest
 
 from contextkit.bench.ordering import TraceRenderer
-from contextkit.bench.workload import write_trace
 from contextkit.bench.stream_client import CompletionClient
+from contextkit.bench.workload import write_trace
+from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.launchers.vllm_server import served_model
 from contextkit.ordering.weaver import Doc, Weaver
-from contextkit.core.tokenizer import Tokenizer
-
 
 pytestmark = pytest.mark.slow
 BLOCK = 32

@@ -14,8 +14,8 @@ import pytest
 
 from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
 from contextkit.core.tenancy import Tenancy
-from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.edge.ratelimit import RateLimit
+from contextkit.integrations.proxy import ProxySettings, create_app
 from contextkit.integrations.serve.app import ServeLimits, create_serve_app
 
 pytestmark = pytest.mark.slow

@@ -17,6 +17,7 @@ from contextkit.integrations.vllm_connector.wire import (
     WireVersionError,
 )
 
+
 @st.composite
 def repairs(draw):
     """Any setting the proxy could send (the ones ReuseOptions itself refuses are not messages)."""
