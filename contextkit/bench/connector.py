@@ -407,7 +407,7 @@ def _plan_all(requests, model_dir: Path, block: int, *, reverse: bool = False) -
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.core.models import prepare
+    from contextkit.core.models import resolve_model_dir
     from contextkit.core.tenancy import Tenancy
 
     k, block = ctx.option("k", 8, int), ctx.option("block_size", 32, int)
@@ -417,7 +417,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     if not requests:
         raise ConfigError("the trace is empty")
     cfg = ctx.config
-    model_dir = prepare(cfg.model, cfg.cache_dir)
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)  # a directory, a hub id or a packaged name
     logs = cfg.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex[:8]

@@ -87,7 +87,7 @@ def _score(fleet, servers, prompts, block: int) -> tuple[list[float], list[float
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     from contextkit.bench.connector import _plan_all
-    from contextkit.core.models import prepare
+    from contextkit.core.models import resolve_model_dir
 
     sizes = [int(x) for x in str(ctx.option("servers", "16,64,256")).split(",")]
     block, blocks = ctx.option("block_size", 32, int), ctx.option("blocks", 10_000, int)
@@ -99,13 +99,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         from contextkit.bench.fleet_live import run_live
         from contextkit.core.tokenizer import Tokenizer
 
-        model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+        model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
         live_ctx = ctx if ctx.n is not None else dataclasses.replace(ctx, n=ctx.option("live_n", 48, int))
         live_rows, live = run_live(live_ctx, tick, model_dir, Tokenizer(model_dir))
     if ctx.n is None:
         ctx = dataclasses.replace(ctx, n=200)
     requests = load_stream(ctx, ctx.option("k", 8, int))
-    plans = _plan_all(requests, prepare(ctx.config.model, ctx.config.cache_dir), block)
+    plans = _plan_all(requests, resolve_model_dir(ctx.config.model, ctx.config.cache_dir), block)
     prompts = [(list(p.ids), f"tenant-{i % tenants}") for i, p in enumerate(plans)]
     tick(total=len(sizes))
     rows = list(live_rows)

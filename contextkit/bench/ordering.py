@@ -49,7 +49,7 @@ from contextkit.bench.workload import (
 )
 from contextkit.core.align import pad_to_block
 from contextkit.core.errors import ConfigError
-from contextkit.core.models import prepare
+from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import ChatRequest, FixedOrder, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Doc, Evidence, Message
@@ -249,7 +249,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     max_tokens = ctx.option("max_tokens", 24, int)
     policies = _policies(ctx)
     requests = load_stream(ctx, k)
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
     server = None

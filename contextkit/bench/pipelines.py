@@ -166,7 +166,7 @@ def _measure(ctx: BenchContext, tick: Tick, requests, upstream: str, proxy: str,
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.core.models import prepare
+    from contextkit.core.models import resolve_model_dir
     from contextkit.integrations.launchers.servers import proxy_process
     from contextkit.integrations.launchers.vllm_server import (
         VLLMServer,
@@ -181,7 +181,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     requests = load_stream(ctx, k)
     if not requests:
         raise ConfigError("the trace is empty")
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     logs = ctx.config.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     upstream = ctx.option("upstream", "")

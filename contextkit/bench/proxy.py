@@ -53,7 +53,7 @@ from contextkit.bench.loadgen import LoadGenerator
 from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.stream_client import stream_async
 from contextkit.core.errors import ConfigError
-from contextkit.core.models import prepare
+from contextkit.core.models import resolve_model_dir
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.launchers.servers import proxy_process
 from contextkit.integrations.launchers.vllm_server import (
@@ -257,7 +257,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     if repeats < 1 or not 0 <= client_nice <= 19:
         raise ConfigError("--set repeats must be >= 1 and --set client_nice in 0..19")
     requests = load_stream(ctx, ctx.option("k", 10, int))
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     upstream = ctx.option("upstream", "")
     engine_cpus, proxy_cpus = split_cpus(bool(ctx.option("pin", 1, int)), ctx.option("proxy_cpus", ""),

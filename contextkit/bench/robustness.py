@@ -208,7 +208,7 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
 def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, started: list) -> dict[str, str]:
     """vLLM for the proxy (unless ``--set upstream``) and Redis for serve's shared tier; each started one
     goes to ``started`` (stopped by the caller)."""
-    from contextkit.core.models import prepare
+    from contextkit.core.models import resolve_model_dir
     from contextkit.integrations.launchers.services import redis_server
     from contextkit.integrations.launchers.vllm_server import (
         VLLMServer,
@@ -221,7 +221,7 @@ def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, st
         raise ConfigError(f"--set kv_connector takes none or contextkit, got {connector!r}")
     if "proxy" in servers:
         if not upstream:
-            model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+            model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
             extra: tuple[str, ...] = ()
             if connector == "contextkit":  # the connector on a disk tier, with its default operator limits
                 from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args

@@ -77,7 +77,7 @@ from contextkit.bench.skill_workload import (
 from contextkit.bench.skills import SHARED_SKILLS, SYSTEM
 from contextkit.bench.stream_client import CompletionClient, stream
 from contextkit.core.errors import ConfigError, InputError, UpstreamError
-from contextkit.core.models import prepare
+from contextkit.core.models import resolve_model_dir
 from contextkit.core.planner import Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Skill
@@ -172,7 +172,7 @@ def _setup(ctx: BenchContext) -> _Setup:
     if max_tokens < 16 or new_tokens < 1:
         raise ConfigError("--set max_tokens must be >= 16 and --set new_tokens >= 1")
     folder = Path(ctx.option("skills", str(SHARED_SKILLS))).expanduser()
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     planner = Planner(Tokenizer(model_dir), block_size=block)
     skills = load_skills(folder, planner, max_tokens)
     if len(skills) < 2:

@@ -221,7 +221,7 @@ def _summary(rows: list[dict], sizes: list[int], compile_ms: dict, crypto: dict,
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
-    from contextkit.core.models import prepare
+    from contextkit.core.models import resolve_model_dir
     from contextkit.core.tenancy import derive
     from contextkit.core.tokenizer import Tokenizer
     from contextkit.engine import Engine
@@ -237,7 +237,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         raise ConfigError(f"unknown tiers {bad}; choose from {', '.join(TIERS)}")
     dtype = ctx.option("dtype", ctx.config.dtype)
     reps = ctx.count(20)
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     engine = Engine.from_dir(model_dir, dtype)
     tok = Tokenizer(model_dir)
     identity = model_identity(engine, tok.fingerprint)

@@ -50,7 +50,7 @@ from contextkit.bench.ordering import TraceRenderer, load_stream
 from contextkit.bench.stream_client import stream
 from contextkit.bench.workload import TraceRequest
 from contextkit.core.config import resolve_dtype  # "auto": the dtype VLLMServerConfig starts vLLM in
-from contextkit.core.models import prepare
+from contextkit.core.models import resolve_model_dir
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.integrations.launchers.servers import proxy_process, serve_process
 from contextkit.integrations.launchers.vllm_server import (
@@ -246,7 +246,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     max_tokens = ctx.option("max_tokens", 16, int)
     block = ctx.option("block_size", 32, int)
     requests = load_stream(ctx, ctx.option("k", 10, int))
-    model_dir = prepare(ctx.config.model, ctx.config.cache_dir)
+    model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)
     renderer = TraceRenderer(Tokenizer(model_dir), block)
     tick(total=6 * len(requests))
     out: dict[str, list[dict[str, Any]]] = {}  # arm -> its results, in the order the arms ran
