@@ -59,9 +59,9 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from contextkit.bench import connector_recompute as recompute
+from contextkit.bench.connector_servers import Servers, wait_saved
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
@@ -94,99 +94,11 @@ def _first(obj: dict) -> tuple[str, dict[str, float]]:
     return c.get("text", ""), top
 
 
-def _wait_saved(cfg, model_dir, block: int, redis_url: str, salt: str, dtype: str, *, prompts=(), spans=(),
-                timeout_s: float = 120.0) -> float:
-    """Wait until the store holds every full block of ``prompts`` and every span of ``spans`` (token id
-    tuples) saved under ``salt`` (saves finish on the connector's thread after each answer, in the turns
-    its pacer gives); the share that arrived within ``timeout_s`` (the rest was dropped)."""
-    from contextkit.core.spec import load_spec
-    from contextkit.core.tenancy import derive
-    from contextkit.integrations.vllm_connector.keys import (
-        KVGeometry,
-        block_keys,
-        model_fingerprint,
-        span_key,
-    )
-    from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
-
-    spec = load_spec(model_dir)
-    geom = KVGeometry(model_fingerprint(model_dir), dtype, block, spec.num_layers, spec.num_kv_heads,
-                      spec.head_dim)
-    keys = {k.digest: k for p in prompts for k in block_keys(geom, salt, p.ids, (p.num_tokens - 1) // block)}
-    keys.update((k.digest, k) for k in (span_key(geom, salt, list(ids)) for ids in spans))
-    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=redis_url, mac_key=derive(cfg.load_secret(), "kv-mac")))
-    try:
-        deadline, missing = time.monotonic() + timeout_s, dict(keys)
-        while missing and time.monotonic() < deadline:
-            missing = {d: k for d, k in missing.items() if not tier.contains(k)}
-            if missing:
-                time.sleep(0.5)
-        return round(1 - len(missing) / max(1, len(keys)), 3)
-    finally:
-        tier.close()
-
-
 def _body(plan, s: str, params=None) -> dict:
     out = {"prompt": plan.ids, "max_tokens": 1, "temperature": 0, "logprobs": 5, "cache_salt": s}
     if params is not None:
         out["kv_transfer_params"] = params
     return out
-
-
-@dataclass
-class _Servers:
-    """vLLM A (restarted once) and B, and the Redis the bench started: whatever runs at the end is stopped."""
-
-    model_dir: Path
-    block: int
-    logs: Path
-    a: Any = None
-    b: Any = None
-    a_settings: Any = None
-    a_port: int = 0
-    services: list = field(default_factory=list)
-    saving: dict = field(default_factory=dict)  # ConnectorSettings' save_* fields the run sets (--set)
-
-    def server(self, name: str, settings, port: int = 0):
-        from contextkit.integrations.launchers.vllm_server import (
-            VLLMServer,
-            VLLMServerConfig,
-        )
-        from contextkit.integrations.vllm_connector import vllm_args
-
-        return VLLMServer(VLLMServerConfig(model_dir=self.model_dir, block_size=self.block, port=port,
-                                           max_model_len=8192, extra_args=tuple(vllm_args(settings)),
-                                           log_file=self.logs / f"bench-connector-{name}.log"))
-
-    def start(self, cfg, work: Path, redis_url: str, tick: Tick) -> str:
-        """Start Redis (unless given), then A and B together; the Redis URL."""
-        from contextkit.integrations.launchers.process import free_port
-        from contextkit.integrations.launchers.services import redis_server
-        from contextkit.integrations.vllm_connector import ConnectorSettings
-
-        if not redis_url:
-            self.services.append(redis_server(log_file=self.logs / "bench-connector-redis.log").start())
-            redis_url = self.services[-1].url
-        self.a_settings = ConnectorSettings(disk_dir=work / "a-disk", remote_url=redis_url, cache_dir=cfg.cache_dir,
-                                            **self.saving)
-        b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir, **self.saving)
-        self.a_port = free_port()
-        tick("starting vLLM A and B")
-        self.a, self.b = self.server("a", self.a_settings, self.a_port), self.server("b", b_set)
-        self.a.launch()
-        self.b.launch()
-        self.a.wait()
-        self.b.wait()
-        return redis_url
-
-    def restart_a(self) -> None:
-        self.a.stop()
-        self.a = self.server("a", self.a_settings, self.a_port).start()
-
-    def stop(self) -> None:
-        for s in (self.a, self.b, *self.services):
-            if s is not None:
-                s.stop()
 
 
 @dataclass
@@ -221,7 +133,7 @@ class _Rows:
         self.tick(f"{row}: teacher-forced")
 
 
-def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redis_url: str) -> float:
+def _connector_rows(m: _Rows, srv: Servers, *, cfg, model_dir, block: int, redis_url: str) -> float:
     """The cold, prefix-caching and connector rows (A restarted between them); the saved share."""
     salt = m.salt
     off = OFF
@@ -231,7 +143,7 @@ def _connector_rows(m: _Rows, srv: _Servers, *, cfg, model_dir, block: int, redi
     m.force("prefix caching", srv.a.url, lambda i, p: _body(p, f"{salt}-plain", off))
     m.measure("prefix caching, connector saving", srv.a.url, lambda i, p: _body(p, salt))
     m.tick("waiting for A's saves")
-    saved_share = _wait_saved(cfg, model_dir, block, redis_url, salt, srv.a.config.resolved_dtype,
+    saved_share = wait_saved(cfg, model_dir, block, redis_url, salt, srv.a.config.resolved_dtype,
                               prompts=m.prompts)
     m.tick("restarting A")
     srv.restart_a()
@@ -429,12 +341,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
     saving = {k: v for k, v in saving.items() if v is not None}
     m, srv = (_Rows(prompts, salt, tick, _plan_all(requests, model_dir, block, reverse=True)),
-              _Servers(model_dir, block, logs, saving=saving))
+              Servers(model_dir, block, logs, saving=saving))
     redis_url = ctx.option("redis", "")
     try:
         redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
-        span_share = _span_rows(m, srv.a.url, functools.partial(_wait_saved, cfg, model_dir, block, redis_url, salt,
+        span_share = _span_rows(m, srv.a.url, functools.partial(wait_saved, cfg, model_dir, block, redis_url, salt,
                                                                   srv.a.config.resolved_dtype))
         before = recompute.connector_counters(srv.a.url), tree_rss_mb(srv.a.process.proc.pid)
         _recompute_rows(m, srv.a.url)
