@@ -44,6 +44,7 @@ from contextkit.core.prompt import (
     render_skill,
 )
 from contextkit.core.tenant import Tenant
+from contextkit.core.token_cache import TENANT_OVERHEAD, TenantTokens, TokenCacheStats
 from contextkit.core.types import Doc, Evidence, Message, OrderResult, Skill, Span
 
 if TYPE_CHECKING:  # the HTTP client plans nothing: it need not install tokenizers
@@ -178,41 +179,6 @@ def _turns(pieces: Part, query: bool = True) -> tuple[PlanItem, ...]:
     return tuple(items)
 
 
-def _ids_bytes(value: tuple) -> int:
-    """Approximate bytes a cached token tuple holds (tuple slots + small ints), for the LRU bound."""
-    if value and isinstance(value[0], tuple):  # a frame (three parts of pieces) or a part
-        return sum(_ids_bytes(v) for v in value) + 56
-    return 56 + 8 * len(value)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenCacheStats:
-    """One tenant's rendered-token caches: lookups that hit, lookups that missed, bytes held."""
-
-    hits: int = 0
-    misses: int = 0
-    nbytes: int = 0
-
-
-_TENANT_OVERHEAD = 256  # bytes charged for a tenant's (empty) caches, so the tenant table's bound counts it
-
-
-class _TenantTokens:
-    """One tenant's rendered-token caches: blocks (documents, skills) and chat frames, each half of
-    ``nbytes``, so a long conversation cannot evict the documents."""
-
-    __slots__ = ("blocks", "frames", "hits", "misses")
-
-    def __init__(self, nbytes: int):
-        self.blocks: LRUCache = LRUCache(nbytes // 2, getsizeof=_ids_bytes)
-        self.frames: LRUCache = LRUCache(nbytes // 2, getsizeof=_ids_bytes)
-        self.hits = self.misses = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.currsize + self.frames.currsize + _TENANT_OVERHEAD
-
-
 class Planner:
     """Renders requests for one tokenizer (one model). Thread-safe.
 
@@ -232,9 +198,9 @@ class Planner:
         if block_size < 1:
             raise InputError(f"block_size must be >= 1, got {block_size}")
         per_tenant = tenant_cache_bytes if tenant_cache_bytes is not None else cache_bytes // 4
-        if not 2 * _TENANT_OVERHEAD <= per_tenant <= cache_bytes - _TENANT_OVERHEAD:
-            raise ConfigError(f"tenant_cache_bytes {per_tenant} must be between {2 * _TENANT_OVERHEAD} and "
-                              f"cache_bytes ({cache_bytes}) less {_TENANT_OVERHEAD}; raise cache_bytes")
+        if not 2 * TENANT_OVERHEAD <= per_tenant <= cache_bytes - TENANT_OVERHEAD:
+            raise ConfigError(f"tenant_cache_bytes {per_tenant} must be between {2 * TENANT_OVERHEAD} and "
+                              f"cache_bytes ({cache_bytes}) less {TENANT_OVERHEAD}; raise cache_bytes")
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.context_limit = context_limit
@@ -262,7 +228,7 @@ class Planner:
                 return got
         value = make()  # outside the lock: tokenizing is the slow part, and other tenants need not wait
         with self._lock:
-            mine = self._tenants.pop(name, None) or _TenantTokens(self._tenant_bytes)
+            mine = self._tenants.pop(name, None) or TenantTokens(self._tenant_bytes)
             mine.misses += 1
             cache = getattr(mine, table)
             if cache.getsizeof(value) <= cache.maxsize:  # a block larger than the whole cache is not kept
