@@ -98,6 +98,29 @@ def _handmade(server: str, max_body: int, model: str, connector: bool = False,
     return out
 
 
+def _drop_stream(port: int, raw: bytes) -> None:
+    """Send a streamed request, read its first bytes (or wait 2 s for its turn), then hang up."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as sock:
+            sock.sendall(raw)
+            try:
+                sock.recv(64)
+            except TimeoutError:
+                pass
+    except OSError:
+        pass
+
+
+def _send(port: int, raw: bytes, how: dict, timeout_s: float) -> int | None:
+    """The status the server answered ``raw`` with (None: no answer in time; -1: it closed on the body)."""
+    try:
+        return raw_status(port, raw, timeout_s, read=how.get("read", True), drop_after=how.get("drop_after"))
+    except TimeoutError:
+        return None
+    except OSError:
+        return -1  # the server closed on an oversized body: an answer of its own kind
+
+
 def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
            handmade_threads: int, rate: float, skip: frozenset[str], connector: bool, out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
@@ -147,20 +170,10 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
                     due += gap
                     time.sleep(max(0.0, due - time.monotonic()))
                 note(**{kind: 1})
-                try:
-                    if how.get("drop_stream"):
-                        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as sock:
-                            sock.sendall(raw)
-                            try:
-                                sock.recv(64)  # the first bytes (or 2 s of waiting for its turn), then hang up
-                            except TimeoutError:
-                                pass
-                        continue
-                    status = raw_status(port, raw, timeout_s, read=how.get("read", True), drop_after=how.get("drop_after"))
-                except TimeoutError:
-                    status = None
-                except OSError:
-                    status = -1  # the server closed on an oversized body: an answer of its own kind
+                if how.get("drop_stream"):
+                    _drop_stream(port, raw)
+                    continue
+                status = _send(port, raw, how, timeout_s)
                 if status is None and how.get("read", True) and how.get("drop_after") is None:
                     note(hangs=1, finding=f"{kind}: no answer within {timeout_s} s")
                 elif status is not None and status >= 500 and status not in (502, 503, 504):
