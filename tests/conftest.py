@@ -201,11 +201,12 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-def _run_cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run_cli(*args: str, stdin: str | None = None, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``contextkit ARGS`` run from ``cwd`` (the checkout by default; elsewhere: as a user outside it)."""
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "contextkit.cli", *args], input=stdin, capture_output=True, text=True,
-        timeout=timeout, cwd=REPO, env=env,
+        timeout=timeout, cwd=cwd, env=env,
     )
 
 

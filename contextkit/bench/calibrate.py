@@ -129,6 +129,11 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         raise ConfigError(f"--n {n}: at quantile {q} a band needs at least {least} prompts to bound "
                           f"anything (the profile would choose full prefill everywhere); give --n 24 or more, or "
                           f"a lower --set quantile=")
+    if ctx.data is None and not SHARED_MULTIHOP.is_file():  # the bundled example is one question: no profile
+        raise InputError("calibrate needs questions with their passages: pass --data FILE (JSONL, one "
+                         '{"question", "answers", "passages": [{"text"}]} a line, the shape of multihop_dev.jsonl); '
+                         f"without --data it reads {SHARED_MULTIHOP}, which is here only in a checkout beside "
+                         "the shared data", "data")
     part = ctx.option("split", shared_half(ctx.data, "tune"))
     dtype = ctx.config.dtype
     model_dir = resolve_model_dir(ctx.config.model, ctx.config.cache_dir)

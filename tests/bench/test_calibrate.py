@@ -68,3 +68,11 @@ def test_calibrate_refuses_too_few_prompts_to_bound_its_quantile(tmp_path, cli, 
     one_line_error(cli("calibrate", "--n", "4", "--out", str(tmp_path / "p.json"), timeout=300),
                    "at least 9 prompts", "--n 24")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_without_data_outside_a_checkout_says_to_pass_data(tmp_path, cli, one_line_error):
+    """Outside a checkout (no shared dev file beside it) calibrate used to fall back to the one bundled example
+    question and fail on "too few questions"; it now says what data it needs."""
+    one_line_error(cli("calibrate", "--out", str(tmp_path / "p.json"), cwd=tmp_path, timeout=300),
+                   "--data FILE", "multihop_dev.jsonl")
+    assert not (tmp_path / "p.json").exists()
