@@ -23,7 +23,7 @@ from typing import Literal, Protocol, get_args
 
 from contextkit.core.errors import ConfigError, InputError
 
-Policy = Literal["budget", "none", "kv_deviation", "query_attention", "first_k", "full"]
+Policy = Literal["budget", "query_attention", "kv_deviation", "first_k", "none", "full"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +37,12 @@ class Spec:
     in_vllm: bool
 
 
-SPECS: dict[str, Spec] = {s.name: s for s in (
+SPECS: dict[str, Spec] = {s.name: s for s in (  # in the order error messages list them
     Spec("budget", loads=True, recomputes=True, in_vllm=True),  # the calibrated default (resolve_budget)
-    Spec("none", loads=True, recomputes=False, in_vllm=True),
-    Spec("kv_deviation", loads=True, recomputes=True, in_vllm=True),
     Spec("query_attention", loads=True, recomputes=True, in_vllm=True),
+    Spec("kv_deviation", loads=True, recomputes=True, in_vllm=True),
     Spec("first_k", loads=True, recomputes=True, in_vllm=True),
+    Spec("none", loads=True, recomputes=False, in_vllm=True),
     Spec("full", loads=False, recomputes=False, in_vllm=True),
 )}
 POLICIES: tuple[str, ...] = tuple(SPECS)

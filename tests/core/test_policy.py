@@ -26,9 +26,9 @@ from contextkit.integrations.edge.shapes import ReuseIn
 
 
 def test_every_list_of_policies_is_derived_from_the_one_table():
-    assert POLICIES == ("budget", "none", "kv_deviation", "query_attention", "first_k", "full")
-    assert REPAIR_POLICIES == ("budget", "kv_deviation", "query_attention", "first_k")
-    assert set(CONNECTOR_POLICIES) == set(POLICIES)
+    assert POLICIES == ("budget", "query_attention", "kv_deviation", "first_k", "none", "full")
+    assert REPAIR_POLICIES == ("budget", "query_attention", "kv_deviation", "first_k")
+    assert CONNECTOR_POLICIES == POLICIES  # every policy runs through the connector too
     # the HTTP schema takes exactly these names
     assert set(ReuseIn.model_json_schema()["properties"]["policy"]["anyOf"][0]["enum"]) == set(POLICIES)
 
