@@ -28,28 +28,28 @@ Policy = Literal["budget", "query_attention", "kv_deviation", "first_k", "none",
 
 @dataclass(frozen=True, slots=True)
 class Spec:
-    """Where one policy runs. ``loads``: it reuses span KV (not "full"); ``recomputes``: it recomputes part
-    of it in the new context (not "none"); ``in_vllm``: the KV connector runs it inside vLLM."""
+    """What one policy does. ``loads``: it reuses span KV (not "full"); ``recomputes``: it recomputes part
+    of it in the new context (not "none"). Every policy runs on both paths, the built-in engine and vLLM
+    through the KV connector."""
 
     name: str
     loads: bool
     recomputes: bool
-    in_vllm: bool
 
 
 SPECS: dict[str, Spec] = {s.name: s for s in (  # in the order error messages list them
-    Spec("budget", loads=True, recomputes=True, in_vllm=True),  # the calibrated default (resolve_budget)
-    Spec("query_attention", loads=True, recomputes=True, in_vllm=True),
-    Spec("kv_deviation", loads=True, recomputes=True, in_vllm=True),
-    Spec("first_k", loads=True, recomputes=True, in_vllm=True),
-    Spec("none", loads=True, recomputes=False, in_vllm=True),
-    Spec("full", loads=False, recomputes=False, in_vllm=True),
+    Spec("budget", loads=True, recomputes=True),  # the calibrated default (resolve_budget)
+    Spec("query_attention", loads=True, recomputes=True),
+    Spec("kv_deviation", loads=True, recomputes=True),
+    Spec("first_k", loads=True, recomputes=True),
+    Spec("none", loads=True, recomputes=False),
+    Spec("full", loads=False, recomputes=False),
 )}
 POLICIES: tuple[str, ...] = tuple(SPECS)
 if set(POLICIES) != set(get_args(Policy)):  # the Literal is for type checkers; SPECS is the list
     raise ImportError("core.policy: the Policy literal and SPECS name different policies")
-CONNECTOR_POLICIES: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.in_vllm)
-REPAIR_POLICIES: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.in_vllm and s.recomputes)
+CONNECTOR_POLICIES: tuple[str, ...] = POLICIES  # what the proxy's connector path takes: every policy
+REPAIR_POLICIES: tuple[str, ...] = tuple(n for n, s in SPECS.items() if s.recomputes)  # the connector's repair
 # the fields of a setting the connector runs (what the wire carries); the rest run on the built-in engine
 CONNECTOR_FIELDS = ("policy", "ratio", "max_recompute", "first_k", "probe_layers", "check_layer", "fidelity_budget")
 

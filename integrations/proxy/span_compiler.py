@@ -40,7 +40,7 @@ from prometheus_client import Counter as PromCounter
 from contextkit.core import tenancy
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import RequestPlan
-from contextkit.core.policy import CONNECTOR_FIELDS, CONNECTOR_POLICIES, ReuseOptions, for_connector, variant
+from contextkit.core.policy import CONNECTOR_FIELDS, CONNECTOR_POLICIES, SPECS, ReuseOptions, for_connector, variant
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.vllm_connector.wire import RequestOptions
 
@@ -68,7 +68,7 @@ REPAIR_FIELDS = frozenset({*CONNECTOR_FIELDS, "recompute_last_span"})  # what a 
 
 def uses_spans(opts: ReuseOptions | None) -> bool:
     """Whether a request with these options loads span KV through the connector ("full": no reuse)."""
-    return opts is not None and opts.policy != "full"
+    return opts is not None and SPECS[opts.policy].loads
 
 
 def spans_of(plan: RequestPlan) -> list[tuple[int, int]]:
