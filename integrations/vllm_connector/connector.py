@@ -105,10 +105,12 @@ class ContextKitConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if refused:
                 log.warning("contextkit connector: %s", refused)
+            sched = vllm_config.scheduler_config  # its step budget bounds the repairs' (limits.RepairLimits)
             local = _local_model_dir(mc.model, download_dir=vllm_config.load_config.download_dir,
                                      revision=mc.revision)
             self.connector_scheduler = ConnectorScheduler(settings=self.settings, geometry=self.geometry,
                                                           store=self.store, pic_loads=self.rope is not None,
+                                                          step_tokens=sched.max_num_batched_tokens,
                                                           profile=_profile(local, self.geometry.dtype),
                                                           repair_refused=refused)
         else:

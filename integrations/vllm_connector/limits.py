@@ -45,12 +45,15 @@ class RepairNeed:
 
 
 class RepairLimits:
-    """``ConnectorSettings``' repair limits, and this scheduler step's work so far (``commit``, ``new_step``)."""
+    """``ConnectorSettings``' repair limits, and this scheduler step's work so far (``commit``, ``new_step``).
 
-    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry):
+    ``step_tokens``: the server's step budget (vLLM's ``max_num_batched_tokens``), the per-step limit when the
+    settings leave ``max_step_recompute_tokens`` unset."""
+
+    def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, step_tokens: int):
         self.max_ratio = settings.max_recompute_ratio
         self.max_tokens = settings.max_recompute_tokens
-        self.max_step_work = settings.max_step_recompute_tokens
+        self.max_step_work = settings.max_step_recompute_tokens or step_tokens
         self.max_bytes = settings.max_repair_bytes
         self.layers = geometry.num_layers
         # per token of the repair's cache: K and V of every layer, plus its position and segment (int64)

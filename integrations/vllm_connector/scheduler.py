@@ -39,7 +39,8 @@ class ConnectorScheduler:
     """The scheduler-side half of ``ContextKitConnector`` (module docstring)."""
 
     def __init__(self, *, settings: ConnectorSettings, geometry: KVGeometry, store: TieredStore,
-                 pic_loads: bool, profile: CalibrationProfile | None = None, repair_refused: str | None = None):
+                 pic_loads: bool, step_tokens: int, profile: CalibrationProfile | None = None,
+                 repair_refused: str | None = None):
         self.block_size = geometry.block_size
         self.profile = profile  # resolves policy="budget" of repaired requests (None: the built-in default)
         # why this server's worker cannot repair (connector._repair_refused): recompute requests then load
@@ -50,7 +51,7 @@ class ConnectorScheduler:
         self.geometry = geometry
         self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
         self.lookup = Lookup(store, geometry, timeout_s=settings.timeout_s, max_spans=settings.max_spans)
-        self.limits = RepairLimits(settings=settings, geometry=geometry)
+        self.limits = RepairLimits(settings=settings, geometry=geometry, step_tokens=step_tokens)
         self.counters = Counters()  # the scheduler's own (vLLM's scheduler asks for them and adds the worker's)
         self._requests: dict[str, RequestState] = {}
 

@@ -66,16 +66,20 @@ class ConnectorSettings:
     to these when the request is resolved, and the report says so (``"clamped": true`` and the limits that
     applied); a repair over a limit it cannot be clamped to is shed: it loads nothing of its span region
     and vLLM computes it (a full prefill of it), counted in ``repair_sheds``. The defaults never bind on
-    the default policies (query_attention r=0.3, at most 512 tokens; a calibrated profile's ratios, at
-    most 0.7 by default) nor on ``bench connector`` (one request at a time, prompts within 8k tokens).
+    the built-in default policy (query_attention r=0.3, at most 512 tokens) nor on ``bench connector``;
+    a calibrated profile's high ratios on long prompts can exceed the step's budget and are then shed
+    (a repair of 70% of the prompt saves little over the full prefill, which vLLM chunks across steps).
 
         max_recompute_ratio: the largest recompute ratio a request runs (0.7: ``contextkit calibrate``'s
             largest by default); a higher one is run at this ratio.
         max_recompute_tokens: tokens one request's repair recomputes at most (sinks and chosen, 4096);
             past it the chosen ones are cut (the sinks kept); a request whose sinks alone exceed it is shed.
         max_step_recompute_tokens: a scheduler step's repairs, all together, in tokens through the whole
-            model (8192: each recomputed token, plus the selection's pass over part of the layers, weighted
-            by its share of them); a request whose repair would take the step past it is shed.
+            model (each recomputed token, plus the selection's pass over part of the layers, weighted by its
+            share of them); a request whose repair would take the step past it is shed. None (the default):
+            the server's own step budget (``--max-num-batched-tokens``), so a step that repairs does at most
+            about twice the forward work vLLM itself schedules in one (the repair runs before the step's
+            forward, inside it).
         max_repair_bytes: the repair's own memory at most (1 GiB): its cache of the prompt up to the
             selection's end plus the copy of the request's local prefix, K and V of every layer (SmolLM2-135M
             in bf16: ~23 KB a token); a request over it is shed.
@@ -97,7 +101,7 @@ class ConnectorSettings:
     context_spans: bool = True
     max_recompute_ratio: float = 0.7
     max_recompute_tokens: int = 4096
-    max_step_recompute_tokens: int = 8192
+    max_step_recompute_tokens: int | None = None
     max_repair_bytes: int = 1 << 30
     repair_chunk_tokens: int = 512
 
@@ -126,6 +130,8 @@ class ConnectorSettings:
             raise ConfigError(f"max_recompute_ratio must be in [0, 1], got {self.max_recompute_ratio}")
         for name in ("max_recompute_tokens", "max_step_recompute_tokens", "max_repair_bytes", "repair_chunk_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_step_recompute_tokens":
+                continue
             if type(value) is not int or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 

@@ -58,10 +58,10 @@ def _request(rid: str, repair: ReuseOptions, *, version: int = PROTOCOL_VERSION)
 
 
 def _scheduler(store, tmp_path, refused: str | None, *, profile: CalibrationProfile | None = None,
-               **limits) -> ConnectorScheduler:
+               step_tokens: int = 2048, **limits) -> ConnectorScheduler:
     settings = ConnectorSettings(disk_dir=tmp_path / "disk", cache_dir=tmp_path, **limits)
     return ConnectorScheduler(settings=settings, geometry=GEOM, store=store, pic_loads=True, repair_refused=refused,
-                              profile=profile)
+                              profile=profile, step_tokens=step_tokens)
 
 
 def _schedule(sched: ConnectorScheduler, reqs: list[Request]):
@@ -197,6 +197,16 @@ def test_a_repair_past_the_steps_budget_is_shed_to_a_full_prefill_and_counted(st
     assert sched.counters.take().data["repair_sheds"] == 1
     again = _request("s3", ReuseOptions(policy="query_attention", ratio=0.3, probe_layers=0))
     assert _schedule(sched, [again])[0] == [128]
+
+
+def test_the_steps_repair_budget_defaults_to_the_servers_step_budget(store, tmp_path):
+    """Unset, ``max_step_recompute_tokens`` is vLLM's ``max_num_batched_tokens``: with a server step of 110
+    tokens the same three repairs of 52 tokens' work as above fit two to a step; set, the setting wins."""
+    reqs = [_request(f"d{i}", ReuseOptions(policy="query_attention", ratio=0.3, probe_layers=0)) for i in range(3)]
+    assert _schedule(_scheduler(store, tmp_path, None, step_tokens=110), reqs)[0] == [128, 128, 0]
+    reqs = [_request(f"e{i}", ReuseOptions(policy="query_attention", ratio=0.3, probe_layers=0)) for i in range(3)]
+    assert _schedule(_scheduler(store, tmp_path, None, step_tokens=110, max_step_recompute_tokens=200),
+                     reqs)[0] == [128, 128, 128]
 
 
 def test_a_repair_over_the_memory_limit_is_shed(store, tmp_path):
