@@ -16,12 +16,14 @@ import threading
 import time
 
 from contextkit.bench.boundary import abuse_cases, large_ids_body
+from contextkit.bench.tenants import ABUSER_KEY
 from contextkit.core.errors import ConfigError
 
 # hand-made abuse (fanout, planning, large: the proxy's, issue 46; recompute: a proxy whose upstreams run
 # the contextkit connector, ``--set kv_connector=contextkit``)
 KINDS = ("malformed", "oversized", "spoofed", "dropped", "injected", "routes", "headers", "fanout", "planning", "large",
          "recompute")
+RECOMPUTE_POOL = 12  # passages the recompute case draws its 6 from
 # words of the recompute case's passages: varied, so that no two passages share a KV block
 _WORDS = "archive ledger museum river harbor station library garden tower bridge market valley".split()
 
@@ -50,19 +52,27 @@ def _http(path: str, body: bytes, key: str | None, ctype: str = "application/jso
             f"\r\nconnection: close\r\n\r\n").encode() + body
 
 
-def _recompute_case(model: str, me: str, pick: int) -> bytes:
+def _recompute_case(model: str, me: str, entries: list[int]) -> bytes:
     """Item 5 of issue 46: a documents request of ~2k tokens asking to recompute every span token through
-    all layers (the connector's operator limits clamp it inside vLLM). Its 6 passages come from a pool of
-    12 in an order ``pick`` chooses: the first requests compute and save them, later ones load them moved
-    and repair them."""
-    rng = random.Random(pick)
+    all layers (the connector's operator limits clamp it inside vLLM). Its 6 passages are ``entries`` of a
+    pool of ``RECOMPUTE_POOL``: once the connector has saved them (``prime_recompute``), each request in
+    another order loads them moved and repairs them."""
     docs = [{"id": f"r{i}", "text": f"Entry {i}: " + " ".join(
-        _WORDS[(i * k) % len(_WORDS)] + str((i * k * 7919) % 99991) for k in range(1, 60))}
-        for i in rng.sample(range(12), 6)]
+        _WORDS[(i * k) % len(_WORDS)] + str((i * k * 7919) % 99991) for k in range(1, 60))} for i in entries]
     body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Which entry is first?"}],
             "documents": docs, "contextkit": {"reuse": {"policy": "query_attention", "ratio": 1.0,
                                                         "max_recompute": None, "probe_layers": 0}}}
     return _http("/v1/chat/completions", json.dumps(body).encode(), me)
+
+
+def prime_recompute(url: str, model: str, timeout_s: float) -> list[int | None]:
+    """Send the recompute case's whole pool once, in order (6 passages a request), before the abuse: the
+    connector saves each passage's span out of the request that computed it, so that the abuse's requests
+    find them and run the repair they ask for (on a server that never idles, saves wait for a turn and the
+    first abuse requests would otherwise load nothing). The statuses answered."""
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    return [raw_status(port, _recompute_case(model, ABUSER_KEY, list(range(i, i + 6))), timeout_s)
+            for i in range(0, RECOMPUTE_POOL, 6)]
 
 
 def _handmade(server: str, max_body: int, model: str, connector: bool = False,
@@ -70,7 +80,7 @@ def _handmade(server: str, max_body: int, model: str, connector: bool = False,
     """(kind, raw request, how to send it) of one round of hand-made abuse."""
     chat = "/v1/chat/completions"
     q = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Who wrote it?"}]}
-    me = "key-abuser-00"
+    me = ABUSER_KEY
     out = [
         ("malformed", _http(chat, b"{not json", me), {}),
         ("malformed", _http(chat, b"[" * 3000, me), {}),
@@ -93,7 +103,8 @@ def _handmade(server: str, max_body: int, model: str, connector: bool = False,
         out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks, fan-out
         out.append(("large", _http("/v1/completions", large_ids_body(model, max_body), me), {"big": True}))
         if connector:
-            out.append(("recompute", _recompute_case(model, me, pick), {}))
+            entries = random.Random(pick).sample(range(RECOMPUTE_POOL), 6)
+            out.append(("recompute", _recompute_case(model, me, entries), {}))
     out.append(("oversized", _http(chat, b'{"pad": "' + b"x" * (max_body + 16) + b'"}', me), {"big": True}))
     return out
 
@@ -148,7 +159,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
     def fuzzer() -> None:
         rounds = 0
         while "schemathesis" not in skip and time.monotonic() < deadline:
-            report = fuzz(url, server, 50, "key-abuser-00", timeout_s=timeout_s, seed=random.randrange(2**32),
+            report = fuzz(url, server, 50, ABUSER_KEY, timeout_s=timeout_s, seed=random.randrange(2**32),
                           deadline_s=max(1.0, deadline - time.monotonic()))
             note(fuzz=report.requests, server_errors=report.server_errors, hangs=report.hangs)
             for f in report.findings[:3]:

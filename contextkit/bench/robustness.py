@@ -33,6 +33,13 @@ tenants that send one request each). Per server:
    stored names are keyed with the secret (issue #26), a forger without it cannot name the victim's
    entries at all: its entries are never found, so ``forged_entries_rejected`` is 0 as well.
 
+Variants. ``--set kv_connector=contextkit`` runs the proxy's vLLM with the contextkit connector (a disk
+tier, its default operator limits) and adds the ``recompute`` abuse: documents requests asking to recompute
+every span token through all layers; the row then carries the connector's counters (``connector_*``).
+``--set max_batched_tokens=N`` starts vLLM with ``--max-num-batched-tokens N`` (its step budget: how much
+prefill one step may do while the other streams' decodes wait). ``--set abuse_skip=KIND,...`` leaves kinds
+of hand-made abuse out (the ablations of docs/benchmarks.md).
+
 Pacing. A client that sends as fast as it is answered, against serve (whose API key check and rate
 limit refuse it in ~0.25 ms of server CPU a request), reaches several hundred requests/s; on this 2-core
 machine that client and the server's HTTP handling then take CPU the engine's two threads need, and the
@@ -53,10 +60,11 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
-from contextkit.bench.abuser import KINDS, raw_status, start_abuser
+from contextkit.bench.abuser import KINDS, RECOMPUTE_POOL, prime_recompute, raw_status, start_abuser
 from contextkit.bench.data import load_records
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.host import rss_kb, split_cpus
@@ -130,6 +138,8 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
     url = proc.url
     tick(f"{server}: warm-up")  # every good request once, unmeasured: the phases compare warm servers
     asyncio.run(good_streams(url, work, streams, 0.0, max_tokens, timeout_s, rounds=len(work.records) * 4 // streams + 1))
+    if url_of.get("connector"):
+        row["connector_primed_entries"] = _prime(url, url_of["vllm"], work.model, timeout_s)
     tick(f"{server}: baseline")
     base = asyncio.run(good_streams(url, work, streams, baseline_s, max_tokens, timeout_s))
     rss0, kv0 = rss_kb(proc.pid) / 1024, _kv_memory_mb(url, server)
@@ -147,10 +157,27 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
     if url_of.get("connector"):  # what the connector did with the recompute abuse (its counters in vLLM's /metrics)
         got = scrape_metrics(url_of["vllm"])
         row.update({f"connector_{k}": int(got.get(f"contextkit_connector_{k}_total", 0))
-                    for k in ("loaded_tokens", "repairs", "repaired_tokens", "repair_clamps", "repair_sheds",
-                              "policy_fallbacks")})
+                    for k in ("loaded_tokens", "span_tokens", "repairs", "repaired_tokens", "repair_clamps",
+                              "repair_sheds", "policy_fallbacks", "saved_entries", "dropped_saves", "load_failures")})
     return {"base": base, "under": under, "counts": counts, "rss": (rss0, rss1), "kv": (kv0, kv1),
             "probes": (sent, leaks, armed, what), "health": health}
+
+
+def _prime(url: str, vllm_url: str, model: str, timeout_s: float) -> int:
+    """The recompute abuse's passages sent once while the server is otherwise idle (``prime_recompute``);
+    returns once the connector has written their spans (its ``saved_entries`` grew by the pool's size) or
+    after ``timeout_s`` (then the row shows fewer): what it wrote."""
+    def saved() -> int:
+        return int(scrape_metrics(vllm_url).get("contextkit_connector_saved_entries_total", 0))
+
+    before = saved()
+    statuses = prime_recompute(url, model, timeout_s)
+    if any(s != 200 for s in statuses):
+        raise ConfigError(f"priming the recompute abuse's passages got {statuses}; see the proxy's log")
+    deadline = time.monotonic() + timeout_s
+    while saved() - before < RECOMPUTE_POOL and time.monotonic() < deadline:
+        time.sleep(0.5)  # polls the counter it waits for: vLLM's /metrics has no way to wait on a value
+    return saved() - before
 
 
 def _row(server: str, row: dict, m: dict, logs: Path) -> dict:
@@ -229,6 +256,9 @@ def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, st
                 disk = Path(tempfile.mkdtemp(prefix="ctxk-robust-"))
                 extra = tuple(vllm_args(ConnectorSettings(disk_dir=disk, cache_dir=ctx.config.cache_dir)))
                 url_of["connector"] = "contextkit"
+            step = ctx.option("max_batched_tokens", 0, int)  # vLLM's step budget (0: its default)
+            if step:
+                extra += ("--max-num-batched-tokens", str(step))
             vllm = VLLMServer(VLLMServerConfig(model_dir=model_dir, cpus=engine_cpus, extra_args=extra,
                                                log_file=logs / "bench-robustness-vllm.log"))
             started.append(vllm.start())
@@ -264,6 +294,7 @@ def _config(ctx: BenchContext, servers: list[str]) -> dict:
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,
                   kv_connector=ctx.option("kv_connector", "none"), abuse_skip=ctx.option("abuse_skip", ""),
+                  max_batched_tokens=ctx.option("max_batched_tokens", 0, int) or "vLLM's default",
                   rate_limit={"serve": "10/20 (its default)", "proxy": "none (its default)"},
                   upstream=ctx.option("upstream", "") or "started by the bench")
     return config

@@ -18,6 +18,7 @@ from contextkit.bench.stream_client import stream_async
 from contextkit.core.errors import ConfigError
 
 GOOD = 8
+ABUSER_KEY = "key-abuser-00"  # the one abuser tenant's key
 DOCS = 6
 SYSTEM = ("You answer questions for the {tenant} team. Keep answers short and cite the documents by title. "
           "Background the team keeps in every chat: {background}")
@@ -27,7 +28,7 @@ def api_keys(probes: int, run: str) -> dict[str, str]:
     """The API keys; probe tenants are new in every run (``run``): the deployment secret and a running vLLM
     outlive a run, and a probe tenant of an earlier run has a warm cache of its own."""
     keys = {f"key-good-{i:02d}": f"good{i}" for i in range(GOOD)}
-    keys["key-abuser-00"] = "abuser"
+    keys[ABUSER_KEY] = "abuser"
     keys.update({f"key-probe-{j:03d}": f"probe{j}-{run}" for j in range(probes)})
     return keys
 
