@@ -52,16 +52,21 @@ def _http(path: str, body: bytes, key: str | None, ctype: str = "application/jso
             f"\r\nconnection: close\r\n\r\n").encode() + body
 
 
-def _recompute_case(model: str, me: str, entries: list[int]) -> bytes:
-    """Item 5 of issue 46: a documents request of ~2k tokens asking to recompute every span token through
-    all layers (the connector's operator limits clamp it inside vLLM). Its 6 passages are ``entries`` of a
-    pool of ``RECOMPUTE_POOL``: once the connector has saved them (``prime_recompute``), each request in
-    another order loads them moved and repairs them."""
+# what the recompute case asks for: the most recompute a client can ask (every span token, all layers), or,
+# the control arm, no reuse at all (the same long prompts, prefilled by vLLM: what any tenant can send)
+RECOMPUTE_ASKS = {"max": {"policy": "query_attention", "ratio": 1.0, "max_recompute": None, "probe_layers": 0},
+                  "full": {"policy": "full"}}
+
+
+def _recompute_case(model: str, me: str, entries: list[int], ask: str = "max") -> bytes:
+    """Item 5 of issue 46: a documents request of ~2k tokens asking ``RECOMPUTE_ASKS[ask]`` (the connector's
+    operator limits clamp the most inside vLLM). Its 6 passages are ``entries`` of a pool of
+    ``RECOMPUTE_POOL``: once the connector has saved them (``prime_recompute``), each request in another
+    order loads them moved and repairs them."""
     docs = [{"id": f"r{i}", "text": f"Entry {i}: " + " ".join(
         _WORDS[(i * k) % len(_WORDS)] + str((i * k * 7919) % 99991) for k in range(1, 60))} for i in entries]
     body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Which entry is first?"}],
-            "documents": docs, "contextkit": {"reuse": {"policy": "query_attention", "ratio": 1.0,
-                                                        "max_recompute": None, "probe_layers": 0}}}
+            "documents": docs, "contextkit": {"reuse": RECOMPUTE_ASKS[ask]}}
     return _http("/v1/chat/completions", json.dumps(body).encode(), me)
 
 
@@ -75,7 +80,7 @@ def prime_recompute(url: str, model: str, timeout_s: float) -> list[int | None]:
             for i in range(0, RECOMPUTE_POOL, 6)]
 
 
-def _handmade(server: str, max_body: int, model: str, connector: bool = False,
+def _handmade(server: str, max_body: int, model: str, recompute: str | None = None,
               pick: int = 0) -> list[tuple[str, bytes, dict]]:
     """(kind, raw request, how to send it) of one round of hand-made abuse."""
     chat = "/v1/chat/completions"
@@ -102,9 +107,9 @@ def _handmade(server: str, max_body: int, model: str, connector: bool = False,
             {"model": model, "prompt": "Hello", "max_tokens": 2, "cache_salt": "good0"}).encode(), me), {}))
         out += abuse_cases(_http, model, me)  # connector params, every generation route, header tricks, fan-out
         out.append(("large", _http("/v1/completions", large_ids_body(model, max_body), me), {"big": True}))
-        if connector:
+        if recompute is not None:
             entries = random.Random(pick).sample(range(RECOMPUTE_POOL), 6)
-            out.append(("recompute", _recompute_case(model, me, entries), {}))
+            out.append(("recompute", _recompute_case(model, me, entries, recompute), {}))
     out.append(("oversized", _http(chat, b'{"pad": "' + b"x" * (max_body + 16) + b'"}', me), {"big": True}))
     return out
 
@@ -133,7 +138,7 @@ def _send(port: int, raw: bytes, how: dict, timeout_s: float) -> int | None:
 
 
 def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-           handmade_threads: int, rate: float, skip: frozenset[str], connector: bool, out) -> None:
+           handmade_threads: int, rate: float, skip: frozenset[str], recompute: str | None, out) -> None:
     """The abuser process: schemathesis cases in one thread, hand-made abuse in another, for ``seconds``;
     its counts go to ``out``."""
     os.nice(10)
@@ -172,7 +177,7 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
         rounds = 0
         due = time.monotonic()
         while time.monotonic() < deadline:
-            for kind, raw, how in _handmade(server, max_body, model, connector, random.randrange(1 << 30)):
+            for kind, raw, how in _handmade(server, max_body, model, recompute, random.randrange(1 << 30)):
                 if kind in skip:
                     continue
                 if how.get("big") and rounds % 10:
@@ -209,9 +214,13 @@ def _abuse(url: str, server: str, model: str, seconds: float, timeout_s: float, 
 
 
 def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: float, max_body: int, seed: int,
-                  handmade_threads: int, rate: float, skip: frozenset[str] = frozenset(), connector: bool = False):
+                  handmade_threads: int, rate: float, skip: frozenset[str] = frozenset(),
+                  recompute: str | None = None):
     """The abuser in its own process; ``skip`` names kinds it leaves out (``KINDS`` or ``schemathesis``), to
-    measure what each costs the good tenants."""
+    measure what each costs the good tenants; ``recompute``: what the recompute case asks (a key of
+    ``RECOMPUTE_ASKS``; None: no recompute case, a proxy without the connector)."""
+    if recompute is not None and recompute not in RECOMPUTE_ASKS:
+        raise ConfigError(f"--set recompute_ask takes {' or '.join(RECOMPUTE_ASKS)}, got {recompute!r}")
     unknown = skip - {*KINDS, "schemathesis"}
     if unknown:
         raise ConfigError(f"--set abuse_skip names unknown kinds {sorted(unknown)}; choose from "
@@ -219,6 +228,6 @@ def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: f
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate,
-                                            skip, connector, q), daemon=True)
+                                            skip, recompute, q), daemon=True)
     proc.start()
     return proc, q

@@ -35,7 +35,9 @@ tenants that send one request each). Per server:
 
 Variants. ``--set kv_connector=contextkit`` runs the proxy's vLLM with the contextkit connector (a disk
 tier, its default operator limits) and adds the ``recompute`` abuse: documents requests asking to recompute
-every span token through all layers; the row then carries the connector's counters (``connector_*``).
+every span token through all layers (``--set recompute_ask=full``, the control arm: the same requests
+asking no reuse, long prompts any tenant can send); the row then carries the connector's counters
+(``connector_*``).
 ``--set max_batched_tokens=N`` starts vLLM with ``--max-num-batched-tokens N`` (its step budget: how much
 prefill one step may do while the other streams' decodes wait). ``--set abuse_skip=KIND,...`` leaves kinds
 of hand-made abuse out (the ablations of docs/benchmarks.md).
@@ -111,7 +113,8 @@ def _corrupt(url: str) -> float:
     return scrape_metrics(url, key=METRICS_KEY).get("contextkit_kvstore_corrupt_total", 0.0)
 
 
-def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, streams: int) -> tuple[tuple, dict]:
+def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, streams: int, *, connector: bool
+                 ) -> tuple[tuple, dict]:
     """The good streams while the abuser process runs; (the good streams' result, the abuser's counts)."""
     o = ctx.option
     duration_s, timeout_s, max_tokens = o("duration_s", 300.0, float), o("timeout_s", 60.0, float), o("max_tokens", 8, int)
@@ -120,7 +123,7 @@ def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, strea
                              o(f"{server}_abuse_threads", 8 if server == "serve" else 3, int),
                              o(f"{server}_abuse_rate", 20.0 if server == "serve" else 0.0, float),
                              o("abuse_skip", frozenset(), lambda v: frozenset(filter(None, v.split(",")))),
-                             connector=o("kv_connector", "none") == "contextkit" and server == "proxy")
+                             recompute=o("recompute_ask", "max") if connector and server == "proxy" else None)
     good = asyncio.run(good_streams(url, work, streams, duration_s, max_tokens, timeout_s))
     try:
         counts = q.get(timeout=timeout_s + 120)  # before join: a child blocks until its report is read
@@ -144,7 +147,7 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
     base = asyncio.run(good_streams(url, work, streams, baseline_s, max_tokens, timeout_s))
     rss0, kv0 = rss_kb(proc.pid) / 1024, _kv_memory_mb(url, server)
     tick(f"{server}: under abuse")
-    under, counts = _under_abuse(ctx, server, url, work, streams)
+    under, counts = _under_abuse(ctx, server, url, work, streams, connector=bool(url_of.get("connector")))
     rss1, kv1 = rss_kb(proc.pid) / 1024, _kv_memory_mb(url, server)
     tick(f"{server}: probes")
     sent, leaks, armed, what = probe(url, server, work, o("probes", 16, int), timeout_s)
@@ -294,6 +297,7 @@ def _config(ctx: BenchContext, servers: list[str]) -> dict:
                                                  ("timeout_s", 60.0))}
     config.update(servers=servers, data=str(ctx.data or "multihop_dev.jsonl"), abuser_nice=10,
                   kv_connector=ctx.option("kv_connector", "none"), abuse_skip=ctx.option("abuse_skip", ""),
+                  recompute_ask=ctx.option("recompute_ask", "max"),
                   max_batched_tokens=ctx.option("max_batched_tokens", 0, int) or "vLLM's default",
                   rate_limit={"serve": "10/20 (its default)", "proxy": "none (its default)"},
                   upstream=ctx.option("upstream", "") or "started by the bench")
