@@ -63,6 +63,7 @@ import asyncio
 import json
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -180,7 +181,18 @@ def _prime(url: str, vllm_url: str, model: str, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while saved() - before < RECOMPUTE_POOL and time.monotonic() < deadline:
         time.sleep(0.5)  # polls the counter it waits for: vLLM's /metrics has no way to wait on a value
+        _one_step(vllm_url, model, timeout_s)
     return saved() - before
+
+
+def _one_step(vllm_url: str, model: str, timeout_s: float) -> None:
+    """A one-token completion straight to vLLM: the worker's counters reach /metrics only with an engine
+    step's output, so saves made while the server idles show up after the next step."""
+    body = json.dumps({"model": model, "prompt": "ok", "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{vllm_url}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        resp.read()
 
 
 def _row(server: str, row: dict, m: dict, logs: Path) -> dict:
