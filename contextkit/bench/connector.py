@@ -285,7 +285,8 @@ def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir
         loaded = sum(r.get("loaded_tokens") or 0 for r in m.reports.get(row, []))
         out.update({f"{key}_speedup_vs_prefix": rows[row]["speedup_vs_prefix"],
                     f"{key}_top1_agreement": f["top1_agreement_20"], f"{key}_kl_p50": f["kl_p50"],
-                    f"{key}_tf_agreement": f["tf_agreement"], f"{key}_answer_kl_p90": f["answer_kl_p90"],
+                    f"{key}_tf_agreement": f["tf_agreement"], f"{key}_tf_agreement_tokens": f["tf_agreement_tokens"],
+                    f"{key}_tf_agreement_tie": f["tf_agreement_tie"], f"{key}_answer_kl_p90": f["answer_kl_p90"],
                     f"{key}_share": round(sum(r.get("recomputed_tokens", 0) for r in reports) / max(1, loaded), 3)})
     first = (m.reports.get(recompute.RECOMPUTE) or [{}])[0].get("recompute") or {}
     out["recompute_resolved"] = {k: first.get(k) for k in ("policy", "ratio", "profile", "band")}

@@ -13,7 +13,9 @@ greedy answer (``ANSWER_TOKENS`` tokens, from a cold request) is fed back one to
 parameters and salt, right after the method's own row, so its first step is the row's request (a local
 hit of the KV the row repaired) and later steps extend it. ``prompt_logprobs``/``echo`` would do it in
 one request, but vLLM skips every cache read (local and external) for such requests, so the method's KV
-would never be used. Per request: ``tf_agreement`` (share of answer tokens that are the method's argmax),
+would never be used. Per request: ``tf_agreement`` (share of answer tokens that are the method's argmax;
+``tf_agreement_tokens`` token-weighted over requests, ``tf_agreement_tie`` near-ties not counted, the gap
+read from the reference's top logprobs: ``fidelity.token_gap``),
 answer KL (mean over the answer's positions of the top-20 KL, ``fidelity.top_kl``), next-token top-1 and
 KL (the first position). ``prefix caching`` (exact KV through vLLM's prefix cache) gets the same pass: the
 same-dtype floor, what vLLM's own numerics move.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contextkit.bench.fidelity import top_kl
+from contextkit.bench.fidelity import NEAR_TIE_NATS, token_gap, top_kl
 from contextkit.bench.harness import median, percentile
 from contextkit.integrations.vllm_connector.wire import RequestOptions
 
@@ -63,15 +65,22 @@ def teacher_forced(post, url: str, prompts, answers, body: Callable[[int, object
 
 def answer_fidelity(reference: list[list[dict[int, float]]], answers, method: list[list[dict[int, float]]]) -> dict:
     """The row's fidelity against the reference pass (module docstring)."""
-    tf, kl, top1, kl0 = [], [], [], []
+    tf, tie, kl, top1, kl0 = [], [], [], [], []
+    agreed = tokens = 0
     for ref, ans, got in zip(reference, answers, method):
         n = min(len(ans), len(got), len(ref))
         if n:
-            tf.append(sum(max(got[j], key=got[j].get) == ans[j] for j in range(n)) / n)
+            mine = [max(got[j], key=got[j].get) for j in range(n)]
+            hits = sum(mine[j] == ans[j] for j in range(n))
+            tf.append(hits / n)
+            agreed, tokens = agreed + hits, tokens + n
+            tie.append(sum(token_gap(ref[j], target=ans[j], token=mine[j]) <= NEAR_TIE_NATS for j in range(n)) / n)
             kl.append(sum(top_kl(ref[j], got[j]) for j in range(n)) / n)
         top1.append(max(got[0], key=got[0].get) == max(ref[0], key=ref[0].get))
         kl0.append(top_kl(ref[0], got[0]))
     return {"tf_agreement": round(sum(tf) / len(tf), 3) if tf else None,
+            "tf_agreement_tokens": round(agreed / tokens, 3) if tokens else None,
+            "tf_agreement_tie": round(sum(tie) / len(tie), 3) if tie else None,
             "answer_kl_p50": round(median(kl), 4) if kl else None,
             "answer_kl_p90": round(percentile(kl, 90), 4) if kl else None,
             "top1_agreement_20": round(sum(top1) / len(top1), 3), "kl_p50": round(median(kl0), 4),

@@ -6,7 +6,14 @@ divergence compound, by teacher forcing: the reference's greedy answer (full pre
 stop token when it stopped) is fed back over the method's KV, and at every position the method's
 prediction is compared with the reference's.
 
-- ``tf_agreement``: the share of the reference answer's tokens that are also the method's argmax.
+- ``tf_agreement``: the share of the reference answer's tokens that are also the method's argmax (a mean
+  of per-prompt shares in a bench's summary; ``tf_agreement_tokens`` beside it weighs each answer token
+  once, so a three-token answer with one flip is not a third of a prompt's worth).
+- ``tf_agreement_tie``: the same share, a disagreement counted only where it is not a near-tie: where the
+  reference gives the method's token a log-probability more than ``NEAR_TIE_NATS`` below the target's
+  (its own greedy token).
+  Below that gap a flip is what the dtype alone does (the bf16 full prefill's flips against the fp32 one
+  fall there: ``NEAR_TIE_NATS``), not a changed answer.
 - ``answer_kl``: the mean over those positions of KL(reference || method), in nats.
 - ``gold_logprob``: the mean log-probability per token of a gold answer (the data's) under a KV; a bench
   reports the method's minus full prefill's (``gold_logprob_delta``): does the model still use the evidence,
@@ -40,10 +47,26 @@ class ReferenceAnswer:
     logits: torch.Tensor  # (len(targets), vocab) float32
 
 
+# The gap (nats, under the reference's own distribution) between its top-1 token and the method's token at
+# or below which a flip is a near-tie: the reference rates the two within ~22% of each other. Chosen on the
+# dtype floor (docs/benchmarks.md, "Near-ties"): every flip of the bf16 full prefill against the fp32 one,
+# teacher-forced on tune questions, had a gap under it (SmolLM2-135M: 6 flips on 20 questions, max 0.083;
+# Qwen2.5-Coder-0.5B: 1 flip on 10, 0.152); the default policy's flips reach 4.6-5.0 nats.
+NEAR_TIE_NATS = 0.2
+
+
 @dataclass(frozen=True, slots=True)
 class AnswerFidelity:
     tf_agreement: float  # share of reference tokens that are the method's argmax (0..1)
     answer_kl: float  # mean KL(reference || method) per answer token, nats
+    tokens: int = 0  # answer tokens compared (the weight of this prompt in a token-weighted agreement)
+    agreed: int = 0  # of those, the method's argmax
+    tie_agreed: int = 0  # of those, the method's argmax or a near-tie (``near_tie_agreed``)
+    flip_gaps: tuple[float, ...] = ()  # at each disagreement, the reference's gap to the method's token (nats)
+
+    @property
+    def tf_agreement_tie(self) -> float:
+        return self.tie_agreed / self.tokens if self.tokens else self.tf_agreement
 
 
 def answer_logits(engine: KVEngine, cache: KVCache, first_logits: torch.Tensor,
@@ -91,6 +114,32 @@ def tf_agreement(targets: Sequence[int], logits: torch.Tensor) -> float:
     return float(hits.float().mean())
 
 
+def target_gaps(targets: Sequence[int], reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per position, the reference's log-probability of the target minus that of the method's argmax
+    (rows are positions; 0 where they agree)."""
+    _check_rows(len(targets), logits)
+    _check_rows(len(targets), reference_logits)
+    ref = reference_logits.float().log_softmax(-1)
+    want = torch.as_tensor(list(targets), dtype=torch.long)[:, None]
+    return ref.gather(-1, want)[:, 0] - ref.gather(-1, logits.argmax(-1)[:, None])[:, 0]
+
+
+def near_tie_agreed(targets: Sequence[int], reference_logits: torch.Tensor, logits: torch.Tensor, *,
+                    nats: float = NEAR_TIE_NATS) -> int:
+    """Positions where the method's argmax is the target or a near-tie of it: the reference gives the
+    method's token a log-probability at most ``nats`` below the target's (``target_gaps``)."""
+    return int((target_gaps(targets, reference_logits, logits) <= nats).sum())
+
+
+def token_gap(reference: Mapping[int, float], *, target: int, token: int) -> float:
+    """The reference's log-prob of ``target`` minus ``token``'s, from the top logprobs a server returns; a
+    token not listed counts at the list's smallest (so its gap is a lower bound)."""
+    if not reference:
+        raise InputError("a near-tie needs the reference's top logprobs; ask the server for logprobs")
+    floor = min(reference.values())
+    return reference.get(target, floor) - reference.get(token, floor)
+
+
 def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """Mean over rows of KL(softmax(reference) || softmax(logits)), in nats; rows are positions."""
     if reference_logits.shape != logits.shape:
@@ -123,7 +172,12 @@ def compare(reference: ReferenceAnswer, engine: KVEngine, cache: KVCache,
             first_logits: torch.Tensor) -> AnswerFidelity:
     """The method's fidelity (its KV in ``cache``) to ``reference`` over the whole answer."""
     logits = answer_logits(engine, cache, first_logits, reference.targets)
-    return AnswerFidelity(tf_agreement(reference.targets, logits), mean_kl(reference.logits, logits))
+    n = len(reference.targets)
+    hits = logits.argmax(-1) == torch.as_tensor(list(reference.targets), dtype=torch.long)
+    gaps = target_gaps(reference.targets, reference.logits, logits)
+    agreed = int(hits.sum())
+    return AnswerFidelity(agreed / n, mean_kl(reference.logits, logits), n, agreed, int((gaps <= NEAR_TIE_NATS).sum()),
+                          tuple(round(float(g), 4) for g in gaps[~hits]))
 
 
 def gold_logprob(engine: KVEngine, cache: KVCache, first_logits: torch.Tensor,
@@ -170,7 +224,8 @@ def gold_ids(encode: Callable[[str], list[int]], answers: Sequence[str], limit: 
 def score(kvs: Mapping[str, MethodKV], *, same_dtype: str, fp32: str | None,
           gold: Sequence[int] | None) -> dict[str, dict[str, float | None]]:
     """Per method: fidelity over the whole answer to the same-dtype full prefill ``kvs[same_dtype]`` (keys
-    ``tf_agreement``, ``answer_kl``, ``gold_logprob_delta``) and to the float32 one ``kvs[fp32]`` (the same
+    ``tf_agreement``, ``tf_agreement_tie``, ``tf_tokens`` and ``tf_agreed`` (for a token-weighted
+    agreement), ``flip_gaps``, ``answer_kl``, ``gold_logprob_delta``) and to the float32 one ``kvs[fp32]`` (the same
     keys ending in ``_fp32``; left out when ``fp32`` is None). ``gold`` None (no gold answer in the data):
     the gold keys are None."""
     names = {"": same_dtype} | ({"_fp32": fp32} if fp32 is not None else {})
@@ -184,10 +239,24 @@ def score(kvs: Mapping[str, MethodKV], *, same_dtype: str, fp32: str | None,
         for suffix, ref in refs.items():
             f = compare(ref, kv.engine, kv.cache, kv.first_logits)
             row[f"tf_agreement{suffix}"], row[f"answer_kl{suffix}"] = f.tf_agreement, f.answer_kl
+            row[f"tf_agreement_tie{suffix}"], row[f"tf_tokens{suffix}"] = f.tf_agreement_tie, f.tokens
+            row[f"tf_agreed{suffix}"], row[f"flip_gaps{suffix}"] = f.agreed, f.flip_gaps
             ref_gold = base[suffix]
             row[f"gold_logprob_delta{suffix}"] = None if mine is None or ref_gold is None else mine - ref_gold
         out[name] = row
     return out
+
+
+def agreement(rows: Sequence[Mapping[str, float | None]], suffix: str = "") -> dict[str, float]:
+    """Whole-answer agreement over prompts' ``score`` rows, three ways: ``tf_agreement`` (the mean of the
+    per-prompt shares), ``tf_agreement_tokens`` (every answer token weighs the same) and
+    ``tf_agreement_tie`` (near-ties not counted as disagreements; a mean over prompts), each + ``suffix``."""
+    if not rows:
+        raise InputError("no prompts to summarize")
+    tokens = sum(r[f"tf_tokens{suffix}"] for r in rows)
+    return {f"tf_agreement{suffix}": round(sum(r[f"tf_agreement{suffix}"] for r in rows) / len(rows), 3),
+            f"tf_agreement_tokens{suffix}": round(sum(r[f"tf_agreed{suffix}"] for r in rows) / tokens, 3),
+            f"tf_agreement_tie{suffix}": round(sum(r[f"tf_agreement_tie{suffix}"] for r in rows) / len(rows), 3)}
 
 
 def _gold(kv: MethodKV, gold: Sequence[int] | None) -> float | None:

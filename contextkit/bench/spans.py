@@ -23,8 +23,10 @@ Per method, the same prompts in the same run, methods in a rotating order per qu
   ``greedy_match_32`` (identical continuation up to ``decode_tokens`` or EOS).
 - Fidelity over the whole answer (``bench.fidelity``, teacher-forced), against the same-dtype full prefill
   (what the approximation changes) and, keys ending ``_fp32``, the float32 one (the floor bf16 sets):
-  ``tf_agreement``, ``answer_kl_p50``/``p90``, ``gold_logprob_delta`` (gold answer log-likelihood per token,
-  method minus full prefill; None for data without gold answers).
+  ``tf_agreement`` (mean of per-prompt shares), ``tf_agreement_tokens`` (token-weighted),
+  ``tf_agreement_tie`` (near-ties not counted: ``bench.fidelity.NEAR_TIE_NATS``), ``answer_kl_p50``/``p90``,
+  ``gold_logprob_delta`` (gold answer log-likelihood per token, method minus full prefill; None for data
+  without gold answers).
 - Fidelity budget (policy "budget", the default), resolved per prompt by the calibration profile beside the
   model (``contextkit calibrate``) or ``--set profile=PATH``: per budget row ``budget_holds``, the share of
   prompts whose answer KL is within it; ``budget_holds_min`` over budgets and bands; ``calibration_profile``
@@ -53,7 +55,7 @@ from contextkit.bench.data import (
     shared_half,
     split,
 )
-from contextkit.bench.fidelity import answered, gold_ids, score
+from contextkit.bench.fidelity import NEAR_TIE_NATS, agreement, answered, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
 from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
@@ -226,6 +228,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         band_rows = _rows(band, per, table, dflt, [rec.source for rec, _ in chosen])
         rows += band_rows
         summary.update(_summary(band, band_rows, dflt, median(compile_ms)))
+        summary.update(_flips(band, per, same_dtype_full(table, dtype), dflt))
     holds = [r["budget_holds"] for r in rows if r.get("budget_holds") is not None and r["dtype"] == dtype]
     summary["budget_holds_min"] = min(holds) if holds else None
     summary["calibration_profile"] = caches[dtype].profile.id if caches[dtype].profile else "none"
@@ -277,10 +280,28 @@ def _whole_answer(m: list[dict[str, Any]]) -> dict[str, float | None]:
     for sfx in ("", "_fp32"):
         kl = [x[f"answer_kl{sfx}"] for x in m]
         gold = [x[f"gold_logprob_delta{sfx}"] for x in m if x[f"gold_logprob_delta{sfx}"] is not None]
-        out |= {f"tf_agreement{sfx}": round(sum(x[f"tf_agreement{sfx}"] for x in m) / len(m), 3),
+        out |= {**agreement(m, sfx),
                 f"answer_kl_p50{sfx}": round(median(kl), 4), f"answer_kl_p90{sfx}": round(percentile(kl, 90), 4),
                 f"gold_logprob_delta{sfx}": round(sum(gold) / len(gold), 4) if gold else None}
     return out
+
+
+def _flips(band: str, per: dict[str, list[dict[str, Any]]], same: str, dflt: str) -> dict[str, Any]:
+    """How far below the reference's own token the tokens a row flips to are (``fidelity.flip_gaps``): the
+    same-dtype full prefill against the float32 one (the floor: what the dtype alone flips, the scale of
+    ``fidelity.NEAR_TIE_NATS``), and the default method against the same-dtype full prefill."""
+    out: dict[str, Any] = {}
+    for key, name, sfx in (("floor", same, "_fp32"), ("default", dflt, "")):
+        if name == REFERENCE:  # float32 methods: no floor to measure
+            continue
+        gaps = sorted(g for x in per[name] for g in x[f"flip_gaps{sfx}"])
+        out[f"{key}_flips"] = len(gaps)
+        if gaps:
+            out[f"{key}_flip_gap_p50"] = round(median(gaps), 3)
+            out[f"{key}_flip_gap_p90"] = round(percentile(gaps, 90), 3)
+            out[f"{key}_flip_gap_max"] = round(gaps[-1], 3)
+            out[f"{key}_flips_near_tie"] = sum(g <= NEAR_TIE_NATS for g in gaps)
+    return {band_key(k, band): v for k, v in out.items()}
 
 
 def _budget(m: list[dict[str, Any]], options: ReuseOptions) -> dict[str, Any]:
@@ -315,7 +336,8 @@ def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Me
 
 
 _WHOLE_ANSWER_KEYS = tuple(f"{k}{sfx}" for sfx in ("", "_fp32") for k in
-                           ("tf_agreement", "answer_kl_p50", "answer_kl_p90", "gold_logprob_delta"))
+                           ("tf_agreement", "tf_agreement_tokens", "tf_agreement_tie", "answer_kl_p50",
+                            "answer_kl_p90", "gold_logprob_delta"))
 
 
 def _summary(band: str, rows: list[dict[str, Any]], dflt: str, compile_ms: float) -> dict[str, Any]:

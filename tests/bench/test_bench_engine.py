@@ -62,8 +62,11 @@ def test_bench_spans_small_run(tmp_path, smol_dir, cli, vllm_url):
                 "answer_agreement_f1", "max_speed_method", "max_speed_speedup", "max_speed_top1",
                 "vllm_cold_ttft_ms_p50", "budget_kl_p90", "tf_agreement", "answer_kl_p90", "gold_logprob_delta",
                 "tf_agreement_fp32", "speedup_vs_full_same_dtype", "budget_holds_min", "calibration_profile",
-                "budget_holds_0.02", "budget_holds_0.1", *long_keys):
+                "budget_holds_0.02", "budget_holds_0.1", "tf_agreement_tokens", "tf_agreement_tie",
+                "default_flips", *long_keys):
         assert key in s, key
+    # a near-tie never counts against the tie-aware agreement: it is at least the plain one
+    assert s["tf_agreement_tie"] >= s["tf_agreement"]
     assert 0 <= s["budget_holds_min"] <= 1
     assert result["config"]["reference_dtype"] == "float32"
     for band in bands:
@@ -72,6 +75,7 @@ def test_bench_spans_small_run(tmp_path, smol_dir, cli, vllm_url):
         assert rows["full"]["answer_agreement_f1"] == 1
         # teacher forcing: the reference's own greedy answer is its argmax at every position, at zero KL
         assert rows["full"]["tf_agreement_fp32"] == 1 and rows["full"]["answer_kl_p90_fp32"] == 0
+        assert rows["full"]["tf_agreement_tokens_fp32"] == rows["full"]["tf_agreement_tie_fp32"] == 1
         assert rows["full"]["gold_logprob_delta_fp32"] == 0
         assert sum(r["default"] for r in rows.values()) == 1
         budgets = [r for r in rows.values() if r["policy"] == "budget" and r["dtype"] == result["config"]["dtype"]]

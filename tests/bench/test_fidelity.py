@@ -8,13 +8,17 @@ import pytest
 import torch
 
 from contextkit.bench.fidelity import (
+    NEAR_TIE_NATS,
+    agreement,
     answer_logits,
     compare,
     gold_logprob,
     mean_kl,
     mean_logprob,
+    near_tie_agreed,
     reference_answer,
     tf_agreement,
+    token_gap,
 )
 from contextkit.core.errors import InputError
 from contextkit.engine.model import Engine
@@ -31,6 +35,40 @@ def test_tf_agreement_counts_every_position():
     assert tf_agreement([1, 2, 3, 4], logits) == 0.75
     assert tf_agreement([1, 2, 3, 0], logits) == 1.0
     assert tf_agreement([0, 0, 0, 1], logits) == 0.0
+
+
+def test_a_flip_counts_against_near_tie_agreement_only_past_the_gap():
+    """The reference's target is token 0 at every position; the method picks 0, then 1, then 2. Token 1 is
+    a near-tie under the reference (0.04 nats below the target), token 2 a real change (3 nats below)."""
+    ref = torch.tensor([[0.0, -0.04, -3.0]] * 3)
+    method = _onehot([0, 1, 2], vocab=3)
+    assert tf_agreement([0, 0, 0], method) == pytest.approx(1 / 3)
+    assert near_tie_agreed([0, 0, 0], ref, method) == 2
+    assert near_tie_agreed([0, 0, 0], ref, method, nats=0.01) == 1
+    assert near_tie_agreed([0, 0, 0], ref, method, nats=3.0) == 3
+    with pytest.raises(InputError, match="answer tokens"):
+        near_tie_agreed([0, 0], ref[:2], method)
+
+
+def test_token_gap_reads_the_references_top_logprobs():
+    ref = {7: -0.2, 9: -0.25, 4: -5.0}
+    assert token_gap(ref, target=7, token=7) == 0.0
+    assert token_gap(ref, target=7, token=9) == pytest.approx(0.05)
+    assert token_gap(ref, target=7, token=123) == pytest.approx(4.8)  # not listed: at the list's smallest
+    assert token_gap(ref, target=7, token=9) <= NEAR_TIE_NATS < token_gap(ref, target=7, token=4)
+    with pytest.raises(InputError, match="logprobs"):
+        token_gap({}, target=1, token=1)
+
+
+def test_agreement_weighs_prompts_and_tokens_differently():
+    """A 3-token answer with one real flip and a 9-token answer with none: the per-prompt mean is
+    (2/3 + 1) / 2, the token-weighted share 11/12; a near-tie flip is no disagreement for the tie column."""
+    rows = [{"tf_agreement": 2 / 3, "tf_agreed": 2, "tf_tokens": 3, "tf_agreement_tie": 1.0},
+            {"tf_agreement": 1.0, "tf_agreed": 9, "tf_tokens": 9, "tf_agreement_tie": 1.0}]
+    assert agreement(rows) == {"tf_agreement": round(5 / 6, 3), "tf_agreement_tokens": round(11 / 12, 3),
+                               "tf_agreement_tie": 1.0}
+    with pytest.raises(InputError, match="no prompts"):
+        agreement([])
 
 
 def test_mean_kl_is_the_average_of_per_position_kl():
@@ -84,6 +122,8 @@ def test_reference_counts_its_stop_token_and_a_perturbed_kv_scores_lower(engine)
     # the reference's answer is not its own greedy choice, so agreement counts argmax hits, not 1.0 by fiat
     greedy = sum(int(ref.logits[i].argmax()) == t for i, t in enumerate(ref.targets)) / 4
     assert exact.tf_agreement == greedy
+    # its own argmax is never below the target under its own distribution: no disagreement is past a near-tie
+    assert (exact.tokens, exact.agreed, exact.tie_agreed) == (4, round(greedy * 4), 4)
     noisy = cache.clone()
     noisy.v[:, :, : len(prompt)] += torch.randn_like(noisy.v[:, :, : len(prompt)]) * 2.0
     worse = compare(ref, engine, noisy, first)
