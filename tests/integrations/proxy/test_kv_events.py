@@ -217,7 +217,7 @@ def test_a_restarted_server_is_told_from_the_old_one_when_its_first_number_is_pa
             assert not any(_holds(index, range(1, 4))) and len(index) == 10
             # its live batches follow on (one lost before the subscription took: replayed)
             seq = iter(range(10, 100))
-            until(lambda: (new.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), feed.next_seq > 10)[1],
+            until(lambda: (new.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), (feed.next_seq or 0) > 10)[1],
                   timeout_s=10, what=lambda: f"{feed.counts}")
             assert all(_holds(index, range(100, 100 + feed.next_seq))) and feed.counts["restarts"] == 1
         finally:
@@ -236,7 +236,7 @@ def test_a_gap_whose_replay_comes_from_another_process_starts_the_index_over(tmp
             until(lambda: len(index) == 3, timeout_s=10, what=lambda: f"{feed.counts}")
             pub.buffer = [(seq, _block(100 + seq, ts=2000.0 + seq)) for seq in range(10)]  # behind it, a new process
             seq = iter(range(10, 100))
-            until(lambda: (pub.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), feed.next_seq > 10)[1],
+            until(lambda: (pub.publish(s := next(seq), _block(100 + s, ts=2000.0 + s)), (feed.next_seq or 0) > 10)[1],
                   timeout_s=10, what=lambda: f"{feed.counts} {pub.asked}")
             assert feed.counts["restarts"] == 1 and feed.counts["gaps"] >= 1
             assert not any(_holds(index, range(1, 4))) and all(_holds(index, range(100, 100 + feed.next_seq)))
