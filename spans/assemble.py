@@ -18,7 +18,6 @@ live in ``spans.pending``; ``SpanCache.compile_pending`` runs that work off the 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,7 @@ from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.kvcache import PAD_SEGMENT, KVCache
 from contextkit.core.plan import RequestPlan, ReuseReport
-from contextkit.core.policy import Resolved, resolve_budget
+from contextkit.core.policy import Budgets, Resolved
 from contextkit.core.tenant import Tenant
 from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Span
@@ -43,8 +42,6 @@ from contextkit.spans.pending import PendingWork, Work
 from contextkit.spans.prefix import extend_prefix
 from contextkit.spans.recompute import Layout, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,13 +99,17 @@ class SpanCache:
         profile: CalibrationProfile | None = None,
     ):
         self.engine = engine
-        self.profile = profile
-        self._warned = False
+        self.budgets = Budgets(profile)
         self.store = store if store is not None else KVSpanStore()
         self.rerotator = rerotator or Rerotator()
         self.identity = model_identity(engine, tokenizer_fingerprint)
         self.work = PendingWork(max_pending, max_pending_per_key)  # see spans.pending
         self.max_pending = max_pending
+
+    @property
+    def profile(self) -> CalibrationProfile | None:
+        """The calibration profile that resolves policy="budget" (None: the built-in default)."""
+        return self.budgets.profile
 
     @property
     def pending(self) -> TenantLRU[SpanKey, Work]:
@@ -175,11 +176,7 @@ class SpanCache:
         opts = plan.options
         if opts is None or opts.policy != "budget":
             return plan, None
-        if self.profile is None and not self._warned:
-            self._warned = True
-            log.warning("no calibration profile for this model: policy='budget' runs the built-in default "
-                        "(query_attention r=%s); run `contextkit calibrate` to make one", opts.ratio)
-        got = resolve_budget(opts, self.profile, plan.num_tokens)
+        got = self.budgets.resolve(opts, plan.num_tokens)
         return replace(plan, options=got.options), got
 
     def _check_provided(self, plan: RequestPlan, provided: dict[int, CompiledSpan]) -> None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, get_args
 
 from contextkit.core.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
 
 Policy = Literal["budget", "query_attention", "kv_deviation", "first_k", "none", "full"]
 
@@ -226,6 +229,22 @@ def resolve_budget(opts: ReuseOptions, profile: Chooser | None, tokens: int) -> 
     chosen = replace(opts, policy=c.policy, ratio=c.ratio, max_recompute=c.max_recompute, first_k=c.first_k,
                      probe_layers=c.probe_layers, fidelity_budget=None)
     return Resolved(chosen, opts.budget, profile.id, choice.band)
+
+
+class Budgets:
+    """``resolve_budget`` with one model's profile, as both paths hold it (the built-in engine's span cache
+    and the connector's scheduler): without a profile it says once that the built-in default runs."""
+
+    def __init__(self, profile: Chooser | None):
+        self.profile = profile
+        self._warned = False
+
+    def resolve(self, opts: ReuseOptions, tokens: int) -> Resolved:
+        if self.profile is None and not self._warned:
+            self._warned = True
+            log.warning("no calibration profile for this model: recompute policy 'budget' runs the built-in "
+                        "default (query_attention r=%s); run `contextkit calibrate` to make one", opts.ratio)
+        return resolve_budget(opts, self.profile, tokens)
 
 
 # -- the count a repair recomputes ----------------------------------------------------------------------

@@ -49,7 +49,7 @@ from contextkit.integrations.proxy.relay import (
     send_json,
     upstream_request_id,
 )
-from contextkit.integrations.proxy.reuse_paths import reuse_path
+from contextkit.integrations.proxy.reuse_paths import Prompts
 from contextkit.integrations.proxy.routes import (
     cap_fan_out,
     check_json,
@@ -71,11 +71,12 @@ PARSE_ON_LOOP = 256 << 10  # bytes: a body smaller than this is parsed on the ev
 OTHER_VALUES, UNKNOWN_CONTEXT = 65_536, 262_144
 
 
-def tenancy_of(settings: ProxySettings) -> Tenancy:
-    """The proxy's tenancy: its API keys and the secret its cache salts derive from."""
+def tenancy_of(settings: ProxySettings, reuse: Prompts) -> Tenancy:
+    """The proxy's tenancy: its API keys and the secret its cache salts derive from, checked against what
+    ``reuse`` (the upstreams' reuse path) needs of a deployment."""
     secret = deployment_secret(settings.cache_dir, settings.secret, settings.secret_file)
     keys = load_api_keys(settings.api_keys_file, settings.api_keys)
-    reuse_path(settings.kv_connector).check_deployment(settings, keys)
+    reuse.check_deployment(settings, keys)
     return Tenancy(keys, secret, settings.allow_client_tenant)
 
 
@@ -161,7 +162,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics()
         self.upstreams = Upstreams(settings, self.metrics)
         self.metrics.registry.register(PoolCollector(self.upstreams.pool, self.upstreams.router))
-        self.tenancy = tenancy_of(settings)
+        self.tenancy = tenancy_of(settings, self.upstreams.reuse)
         self.limiter = RateLimiter(RateLimit(settings.rate_per_s, settings.rate_burst))
         self.state = SimpleNamespace(pool=self.upstreams.pool, metrics=self.metrics, settings=settings,
                                      tenancy=self.tenancy)

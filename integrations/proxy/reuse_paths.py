@@ -153,9 +153,8 @@ PATHS: dict[str, type[Prompts]] = {p.kind: p for p in (Prompts, SpanReuse, Blend
 
 
 def reuse_path(kind: str) -> Prompts:
-    """The reuse path of upstreams running ``kind`` (``ProxySettings.kv_connector``)."""
-    if kind not in PATHS:
-        raise ConfigError(f"kv_connector {kind!r} is not one of {', '.join(PATHS)}")
+    """The reuse path of upstreams running ``kind`` (``ProxySettings.kv_connector``, which its settings
+    check against ``PATHS``: a KeyError here is a caller that skipped them)."""
     return PATHS[kind]()
 
 

@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from contextkit.core.errors import ConfigError, ContextKitError
-from contextkit.core.policy import resolve_budget
+from contextkit.core.policy import Budgets
 from contextkit.integrations.vllm_connector.keys import KVGeometry, span_key
 from contextkit.integrations.vllm_connector.limits import RepairLimits
 from contextkit.integrations.vllm_connector.lookup import Lookup, Piece, RequestState
@@ -42,12 +42,11 @@ class ConnectorScheduler:
                  pic_loads: bool, step_tokens: int, profile: CalibrationProfile | None = None,
                  repair_refused: str | None = None):
         self.block_size = geometry.block_size
-        self.profile = profile  # resolves policy="budget" of repaired requests (None: the built-in default)
+        self.budgets = Budgets(profile)  # resolves policy="budget" of repaired requests (no profile: the built-in default)
         # why this server's worker cannot repair (connector._repair_refused): recompute requests then load
         # nothing (a full prefill of the span region), never unrepaired KV they did not ask for
         self.repair_refused = repair_refused
         self.context_spans = settings.context_spans
-        self._warned = False
         self.geometry = geometry
         self.pic_loads = pic_loads  # False without the model's RoPE geometry: pic requests load nothing
         self.lookup = Lookup(store, geometry, timeout_s=settings.timeout_s, max_spans=settings.max_spans)
@@ -110,11 +109,7 @@ class ConnectorScheduler:
     def _resolve_budget(self, st: RequestState, r: ReuseOptions) -> None:
         """policy="budget": the profile's choice for the prompt's length, or the built-in default
         (``core.policy.resolve_budget``, as on the built-in engine); "full" loads nothing."""
-        if self.profile is None and not self._warned:
-            self._warned = True
-            log.warning("no calibration profile for this model: recompute policy 'budget' runs the built-in "
-                        "default (query_attention r=%s); run `contextkit calibrate` to make one", r.ratio)
-        got = resolve_budget(r, self.profile, len(st.ids))
+        got = self.budgets.resolve(r, len(st.ids))
         st.report = {"policy": got.options.policy, "fidelity_budget": got.budget, "profile": got.profile}
         if got.band is not None:
             st.report["band"] = got.band

@@ -13,6 +13,7 @@ from contextkit.core.policy import (
     CONNECTOR_POLICIES,
     POLICIES,
     REPAIR_POLICIES,
+    Budgets,
     ReuseOptions,
     clamp,
     for_connector,
@@ -86,6 +87,21 @@ def test_budget_resolves_to_the_profiles_choice_or_the_built_in_default():
     assert resolve_budget(ReuseOptions(), None, 9).budget == 0.1  # DEFAULT_FIDELITY_BUDGET
     with pytest.raises(ConfigError, match="budget"):
         resolve_budget(ReuseOptions(policy="query_attention"), None, 9)
+
+
+def test_both_paths_budgets_say_once_that_no_profile_means_the_built_in_default(caplog):
+    """The built-in engine's span cache and the connector's scheduler hold one ``Budgets`` each: its
+    answers are resolve_budget's, and without a profile the warning comes on the first request only."""
+    plain = Budgets(None)
+    with caplog.at_level("WARNING", logger="contextkit.core.policy"):
+        first, second = (plain.resolve(ReuseOptions(), 1400) for _ in range(2))
+    assert first == second == resolve_budget(ReuseOptions(), None, 1400)
+    assert [r.message.count("contextkit calibrate") for r in caplog.records] == [1]
+    caplog.clear()
+    profile = _Profile(ReuseOptions(policy="none"))
+    with caplog.at_level("WARNING", logger="contextkit.core.policy"):
+        got = Budgets(profile).resolve(ReuseOptions(), 700)
+    assert got.options.policy == "none" and got.profile == "profile-1" and not caplog.records
 
 
 def test_the_operators_ratio_limit_and_types_a_message_may_still_get_wrong():
