@@ -3,7 +3,7 @@
 ``contextkit calibrate`` (``contextkit.bench.calibrate``) runs the tune half of a QA file through the
 span cache at several query_attention ratios, each with one or more probe depths, and, per prompt,
 measures the answer KL over the whole teacher-forced answer against full prefill in the same dtype
-(``contextkit.bench.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
+(``contextkit.spans.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
 weights digest and dtype, and answers one question at request time (``choose``): for a prompt of this
 many context tokens and a budget of b nats per answer token, which is the fastest setting whose answer KL stays within b on the profile's quantile of the
 calibration prompts of the nearest length band?

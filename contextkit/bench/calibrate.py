@@ -7,7 +7,7 @@ passages compiled as spans first. Per question: full prefill on the engine (the 
 greedy answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
 (``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe
 depth (``--set probe_layers=8,0``: through the first 8 layers, and through all) the assembled KV's answer
-KL and teacher-forced agreement over that answer (``bench.fidelity``), and its TTFT. A budget chooses the
+KL and teacher-forced agreement over that answer (``spans.fidelity``), and its TTFT. A budget chooses the
 fastest setting within it (``CalibrationProfile.choose``), so a deeper probe is taken where it reaches the
 budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is
 later held to their ``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench.answers import answered
 from contextkit.bench.bands import band_key, choose_questions, parse_bands
 from contextkit.bench.data import SHARED_MULTIHOP, load_records, shared_half, split
-from contextkit.bench.fidelity import answered, compare, reference_answer
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
@@ -41,6 +41,7 @@ from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import Band, CalibrationProfile, Point, minimum_prompts, profile_path, upper_bound
+from contextkit.spans.fidelity import compare, reference_answer
 
 RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 PROBES = (8, 0)  # probe depths: the first 8 layers (ReuseOptions' default), and all (0)

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contextkit.bench.fidelity import NEAR_TIE_NATS, token_gap, top_kl
 from contextkit.bench.harness import median, percentile
 from contextkit.integrations.vllm_connector.wire import RequestOptions
+from contextkit.spans.fidelity import NEAR_TIE_NATS, token_gap, top_kl
 
 RECOMPUTE = "span reuse, recompute in vLLM (default)"
 KV_DEVIATION = "span reuse, recompute in vLLM (kv_deviation)"

@@ -16,7 +16,7 @@ framework's retriever (``EvidenceRetriever``).
   them for vLLM's prefix cache).
 - KV path (the built-in engine in this process, LangChain's chat model on ``contextkit.connect()``):
   ``without``: full prefill (``reuse=False``); ``with``: span reuse at the default policy. Its fidelity over
-  the whole answer (``bench.fidelity``: ``tf_agreement``, ``answer_kl_p50``/``p90``, ``gold_logprob_delta``
+  the whole answer (``spans.fidelity``: ``tf_agreement``, ``answer_kl_p50``/``p90``, ``gold_logprob_delta``
   on the ``with`` row; ``--set answer_tokens=32``) is measured outside the timed runs, in a tenant of its
   own that sees the trace as the ``with`` pipeline does (the same requests in the same order, the Weaver's
   order recorded and the new spans compiled after each), so it scores what that pipeline served
@@ -90,7 +90,8 @@ def _record(per: dict[str, dict[str, list]], got: dict[str, dict], req) -> None:
 def _kv_fidelity(kit, req, tenant: str, answer_tokens: int) -> dict[str, float | None]:
     """The KV path's fidelity on ``req``: the kit's default reuse against full prefill of the same plan,
     over full prefill's greedy answer, in ``tenant`` (the shadow of the ``kv with`` pipeline's)."""
-    from contextkit.bench.fidelity import MethodKV, answered, gold_ids, score
+    from contextkit.bench.answers import answered
+    from contextkit.spans.fidelity import MethodKV, gold_ids, score
 
     params = SamplingParams(max_new_tokens=answer_tokens)
     docs = [Evidence(d.text, id=d.id, title=d.title) for d in req.documents]

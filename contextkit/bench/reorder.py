@@ -4,7 +4,7 @@ whether a one-line relevance hint gives back what the reordering changed.
 Reordering is exact KV (every token is computed in the prompt it is in) but a different prompt: the
 retriever ranked the documents and the Weaver serves them in the order the tenant's cache holds. This
 bench measures that change the way the span benches measure an approximation, over the whole answer
-(``bench.fidelity``), on the built-in engine with full prefill only (nothing cached, no reuse):
+(``spans.fidelity``), on the built-in engine with full prefill only (nothing cached, no reuse):
 
 - The documents trace (``bench ordering``'s generator on the ``--set split=`` half of the data, held-out
   by default on the shared file; or ``--trace FILE``) is replayed through one Weaver, as the proxy serves
@@ -31,8 +31,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench.answers import answered
 from contextkit.bench.data import load_records, shared_half, split
-from contextkit.bench.fidelity import MethodKV, answered, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
 from contextkit.bench.metrics import answer_em, answer_f1
 from contextkit.bench.workload import TraceRequest, WorkloadSpec, generate, read_trace
@@ -45,6 +45,7 @@ from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message
 from contextkit.engine.model import Engine
 from contextkit.ordering.weaver import Weaver
+from contextkit.spans.fidelity import MethodKV, gold_ids, score
 
 REFERENCE = "retrieval"
 FLOOR = "retrieval (float32)"

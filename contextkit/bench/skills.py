@@ -30,7 +30,7 @@ Summary: ``speedup_vs_full``, ``top1_agreement``, ``kl_p50``, ``answer_agreement
 the canonical place), ``splice_speedup_vs_full``, ``splice_top1_agreement``, ``splice_kl_p50``,
 ``splice_answer_agreement_f1`` (the default policy spliced); ``tf_agreement``, ``answer_kl_p90``,
 ``splice_tf_agreement``, ``splice_answer_kl_p90``: the whole answer teacher-forced against full prefill on the
-same engine (``bench.fidelity``); ``erratum_agreement``, ``stale_agreement``,
+same engine (``spans.fidelity``); ``erratum_agreement``, ``stale_agreement``,
 ``overwrite_agreement`` (single edits), ``erratum_agreement_by_edits``, ``erratum_agreement_heldout``,
 ``field_attention_share_p50`` (the answer's attention on the edited field's own tokens).
 """
@@ -41,8 +41,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+from contextkit.bench.answers import answered
 from contextkit.bench.errata import run_errata
-from contextkit.bench.fidelity import answered, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import kl_divergence, token_f1
 from contextkit.core.errors import InputError
@@ -51,6 +51,7 @@ from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import ChatRequest
 from contextkit.core.policy import ReuseOptions
 from contextkit.core.types import Skill
+from contextkit.spans.fidelity import score
 
 SHARED_SKILLS = Path("../shared/data/skills")
 SYSTEM = "You are a careful coding agent. Follow the skills below exactly when they apply."

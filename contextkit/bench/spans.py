@@ -21,10 +21,10 @@ Per method, the same prompts in the same run, methods in a rotating order per qu
 - Fidelity vs the float32 full prefill: next-token KL(full || method), first-token top-1 agreement,
   ``answer_agreement_f1`` (token F1 of the greedy answer against full prefill's, 1.0 = the same answer),
   ``greedy_match_32`` (identical continuation up to ``decode_tokens`` or EOS).
-- Fidelity over the whole answer (``bench.fidelity``, teacher-forced), against the same-dtype full prefill
+- Fidelity over the whole answer (``spans.fidelity``, teacher-forced), against the same-dtype full prefill
   (what the approximation changes) and, keys ending ``_fp32``, the float32 one (the floor bf16 sets):
   ``tf_agreement`` (mean of per-prompt shares), ``tf_agreement_tokens`` (token-weighted),
-  ``tf_agreement_tie`` (near-ties not counted: ``bench.fidelity.NEAR_TIE_NATS``), ``answer_kl_p50``/``p90``,
+  ``tf_agreement_tie`` (near-ties not counted: ``spans.fidelity.NEAR_TIE_NATS``), ``answer_kl_p50``/``p90``,
   ``gold_logprob_delta`` (gold answer log-likelihood per token, method minus full prefill; None for data
   without gold answers).
 - Fidelity budget (policy "budget", the default), resolved per prompt by the calibration profile beside the
@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench.answers import answered
 from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
 from contextkit.bench.calibrate import BUDGETS
 from contextkit.bench.data import (
@@ -55,7 +56,6 @@ from contextkit.bench.data import (
     shared_half,
     split,
 )
-from contextkit.bench.fidelity import NEAR_TIE_NATS, agreement, answered, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
 from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
@@ -69,6 +69,7 @@ from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import find_profile
+from contextkit.spans.fidelity import NEAR_TIE_NATS, agreement, gold_ids, score
 
 REFERENCE = "full"  # float32 full prefill: what every row's fidelity is measured against
 
@@ -173,7 +174,7 @@ def _question(qi: int, band: str, plan: RequestPlan, table: dict[str, Method], e
 
 def _measure(out: dict[str, tuple], rec: QARecord, same: str, gold: list[int] | None) -> dict[str, dict[str, Any]]:
     """Per method of one question: its TTFT, fidelity to the float32 full prefill (next token, greedy answer),
-    fidelity over the whole answer to both full prefills (``bench.fidelity``), answer quality."""
+    fidelity over the whole answer to both full prefills (``spans.fidelity``), answer quality."""
     ref_logits, ref_tokens, ref_text, _, _, _ = out[REFERENCE]
     whole = score({name: o[5] for name, o in out.items()}, same_dtype=same, fp32=REFERENCE, gold=gold)
     return {name: {**whole[name],
@@ -274,7 +275,7 @@ def _stats(m: list[dict[str, float]], full_ttft: float, bf16_ttft: float | None)
 
 
 def _whole_answer(m: list[dict[str, Any]]) -> dict[str, float | None]:
-    """The teacher-forced columns (``bench.fidelity``) against the same-dtype full prefill and, ``_fp32``, the
+    """The teacher-forced columns (``spans.fidelity``) against the same-dtype full prefill and, ``_fp32``, the
     float32 one: agreement is the mean share, answer KL its p50/p90 over questions, the gold delta a mean."""
     out: dict[str, float | None] = {}
     for sfx in ("", "_fp32"):

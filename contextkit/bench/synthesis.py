@@ -17,21 +17,22 @@ gold answers, points) and ``answer_agreement_f1`` (token F1 against the text syn
 Summary: ``ttft_speedup_vs_text``, ``answer_f1_delta`` (KV minus text, F1 points, default policy),
 ``answer_agreement_f1``, ``top1_agreement``, ``kl_p50``, worker time and note length; ``tf_agreement``,
 ``answer_kl_p90`` and ``gold_logprob_delta``: the whole answer teacher-forced against the text synthesizer on
-the same engine, and the gold answer's log-likelihood per token, KV minus text (``bench.fidelity``).
+the same engine, and the gold answer's log-likelihood per token, KV minus text (``spans.fidelity``).
 """
 
 from __future__ import annotations
 
 import time
 
+from contextkit.bench.answers import answered
 from contextkit.bench.data import load_records, sample, split
-from contextkit.bench.fidelity import answered, gold_ids, score
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_f1, kl_divergence, token_f1
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.policy import ReuseOptions
 from contextkit.core.prompt import render_document
+from contextkit.spans.fidelity import gold_ids, score
 
 WORKER = ("You are a research worker on a team. Read your passages and write one short note with the facts "
           "they give about the question. If they say nothing about it, write: nothing relevant.\n"

@@ -648,9 +648,9 @@ def test_span_reuse_recomputes_inside_vllm_and_the_repaired_kv_stays_request_onl
     (sinks + round(ratio x candidates)); 30% recomputed is closer to vLLM's own full prefill than no
     recompute; recomputing every span token matches full prefill within bf16 noise; an exact request
     afterwards hits none of the repaired blocks, nor does another tenant's identical request."""
-    from contextkit.bench.fidelity import top_kl
     from contextkit.core.policy import ReuseOptions, variant
     from contextkit.core.tenancy import pic_salt
+    from contextkit.spans.fidelity import top_kl
 
     salt, url = "repair-tenant", kv.a.url
     text = prompt_of(smol_dir, passage_text[3000:], 7 * BS + 24)

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from contextkit.bench.fidelity import (
+from contextkit.core.errors import InputError
+from contextkit.engine.model import Engine
+from contextkit.spans.fidelity import (
     NEAR_TIE_NATS,
     agreement,
     answer_logits,
@@ -20,8 +22,6 @@ from contextkit.bench.fidelity import (
     tf_agreement,
     token_gap,
 )
-from contextkit.core.errors import InputError
-from contextkit.engine.model import Engine
 
 
 def _onehot(ids: list[int], vocab: int = 5, hi: float = 4.0) -> torch.Tensor:
@@ -131,7 +131,7 @@ def test_reference_counts_its_stop_token_and_a_perturbed_kv_scores_lower(engine)
 
 
 def test_top_kl_from_a_servers_top_logprobs():
-    from contextkit.bench.fidelity import top_kl
+    from contextkit.spans.fidelity import top_kl
 
     ref = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
     assert top_kl(ref, ref) == 0.0

@@ -34,9 +34,7 @@ import torch
 
 from contextkit.core.engine import KVEngine
 from contextkit.core.errors import InputError
-from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.kvcache import KVCache
-from contextkit.engine.generate import Detokenizer, generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +105,15 @@ def reference_answer(engine: KVEngine, cache: KVCache, first_logits: torch.Tenso
     return ReferenceAnswer((*ids, int(logits[-1].argmax())), logits)
 
 
+def hits(targets: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    """Per position, whether the target is the argmax of the matching row of ``logits`` (n, vocab)."""
+    _check_rows(len(targets), logits)
+    return logits.argmax(-1) == torch.as_tensor(list(targets), dtype=torch.long)
+
+
 def tf_agreement(targets: Sequence[int], logits: torch.Tensor) -> float:
     """Share of ``targets`` that are the argmax of the matching row of ``logits`` (n, vocab)."""
-    _check_rows(len(targets), logits)
-    hits = logits.argmax(-1) == torch.as_tensor(list(targets), dtype=torch.long)
-    return float(hits.float().mean())
+    return float(hits(targets, logits).float().mean())
 
 
 def target_gaps(targets: Sequence[int], reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -128,7 +130,12 @@ def near_tie_agreed(targets: Sequence[int], reference_logits: torch.Tensor, logi
                     nats: float = NEAR_TIE_NATS) -> int:
     """Positions where the method's argmax is the target or a near-tie of it: the reference gives the
     method's token a log-probability at most ``nats`` below the target's (``target_gaps``)."""
-    return int((target_gaps(targets, reference_logits, logits) <= nats).sum())
+    return near_ties(target_gaps(targets, reference_logits, logits), nats=nats)
+
+
+def near_ties(gaps: torch.Tensor, *, nats: float = NEAR_TIE_NATS) -> int:
+    """Positions of ``target_gaps`` at most ``nats``: agreements (gap 0) and near-ties."""
+    return int((gaps <= nats).sum())
 
 
 def token_gap(reference: Mapping[int, float], *, target: int, token: int) -> float:
@@ -173,11 +180,11 @@ def compare(reference: ReferenceAnswer, engine: KVEngine, cache: KVCache,
     """The method's fidelity (its KV in ``cache``) to ``reference`` over the whole answer."""
     logits = answer_logits(engine, cache, first_logits, reference.targets)
     n = len(reference.targets)
-    hits = logits.argmax(-1) == torch.as_tensor(list(reference.targets), dtype=torch.long)
+    hit = hits(reference.targets, logits)
     gaps = target_gaps(reference.targets, reference.logits, logits)
-    agreed = int(hits.sum())
-    return AnswerFidelity(agreed / n, mean_kl(reference.logits, logits), n, agreed, int((gaps <= NEAR_TIE_NATS).sum()),
-                          tuple(round(float(g), 4) for g in gaps[~hits]))
+    agreed = int(hit.sum())
+    return AnswerFidelity(agreed / n, mean_kl(reference.logits, logits), n, agreed, near_ties(gaps),
+                          tuple(round(float(g), 4) for g in gaps[~hit]))
 
 
 def gold_logprob(engine: KVEngine, cache: KVCache, first_logits: torch.Tensor,
@@ -202,17 +209,6 @@ class MethodKV:
     first_logits: torch.Tensor  # (1, vocab): predicts the first answer token
     token_ids: tuple[int, ...]  # its greedy answer
     stopped: bool  # the answer ended on a stop token (not on the length limit)
-
-
-def answered(engine: KVEngine, tokenizer: Detokenizer, prompt_ids: Sequence[int], cache: KVCache,
-             first_logits: torch.Tensor, params: SamplingParams) -> tuple[MethodKV, Generation]:
-    """A method's greedy answer from the KV it assembled (the prompt in ``cache``, ``first_logits``
-    predicting the first answer token), with the cache truncated back to the prompt: the ``MethodKV`` to
-    score once every method has run, and the generation (its text, for the answer-quality metrics)."""
-    length = cache.length
-    gen = generate(engine, tokenizer, prompt_ids, params, cache=cache, first_logits=first_logits)
-    cache.truncate(length)
-    return MethodKV(engine, cache, first_logits, tuple(gen.token_ids), gen.finish_reason == "stop"), gen
 
 
 def gold_ids(encode: Callable[[str], list[int]], answers: Sequence[str], limit: int) -> list[int] | None:
