@@ -53,16 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from contextkit.bench import connector_recompute as recompute
 from contextkit.bench.connector_servers import Servers, wait_saved
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile, post_completion
 from contextkit.bench.host import tree_rss_mb
 from contextkit.bench.ordering import load_stream
 from contextkit.core.errors import ConfigError, UpstreamError
@@ -75,17 +72,6 @@ TF_ROWS = ("full prefill (cold)", "prefix caching", "span reuse (pic)", *recompu
 SECOND_PLAIN, SECOND_SAVING = "prefix caching (2nd pair)", "prefix caching, connector saving (2nd pair)"
 OFF = RequestOptions(mode="off").encode()  # a measured full prefill: the connector neither loads nor saves
 SPAN = RequestOptions(mode="span").encode()  # a span compiled alone at position 0
-
-
-def _post(url: str, body: dict, timeout_s: float = 600) -> tuple[float, dict]:
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
-    t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            obj = json.load(r)
-    except urllib.error.HTTPError as exc:
-        raise UpstreamError(f"{url} answered {exc.code}: {exc.read()[:300]!r}") from None
-    return (time.perf_counter() - t0) * 1e3, obj
 
 
 def _first(obj: dict) -> tuple[str, dict[str, float]]:
@@ -117,7 +103,7 @@ class _Rows:
 
     def measure(self, row: str, url: str, make) -> None:
         for i, plan in enumerate(self.prompts):
-            ms, obj = _post(url, make(i, plan))
+            ms, obj = post_completion(url, make(i, plan))
             text, top = _first(obj)
             use = obj.get("usage") or {}
             self.per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
@@ -127,8 +113,8 @@ class _Rows:
     def force(self, row: str, url: str, make) -> None:
         """The row's teacher-forced pass (``connector_recompute``); ``make(i, plan)`` as for ``measure``."""
         if not self.answers:
-            self.answers = recompute.reference_answers(_post, url, self.prompts, self.salt)
-        self.forced[row] = recompute.teacher_forced(_post, url, self.prompts, self.answers,
+            self.answers = recompute.reference_answers(url, self.prompts, self.salt)
+        self.forced[row] = recompute.teacher_forced(url, self.prompts, self.answers,
                                                     lambda i, p, ids: {**make(i, p), "prompt": ids})
         self.tick(f"{row}: teacher-forced")
 
@@ -180,7 +166,7 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
     # first pass: as the proxy sends it, then its new spans compiled; its documents in the opposite order,
     # so that the span KV the connector saves out of it never saw the exact context the rows measure
     for plan in m.first_pass:
-        ms, obj = _post(url, _body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic)))
+        ms, obj = post_completion(url, _body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic)))
         text, top = _first(obj)
         m.per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
         ids = plan.ids
@@ -191,7 +177,7 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
                 compiled.add(span)
                 if (s, e) in saved:  # the connector saved it out of this request: no compile needed
                     continue
-                _post(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
+                post_completion(url, {"prompt": list(span), "max_tokens": 1, "temperature": 0, "cache_salt": salt,
                             "kv_transfer_params": SPAN})
         m.tick("span compile (first pass)")
     span_share = wait_saved(spans=compiled)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from contextkit.bench.harness import median, percentile
+from contextkit.bench.harness import median, percentile, post_completion
 from contextkit.integrations.vllm_connector.wire import RequestOptions
 from contextkit.spans.fidelity import NEAR_TIE_NATS, token_gap, top_kl
 
@@ -36,17 +36,18 @@ ANSWER_TOKENS, TOP = 16, 20
 OFF = RequestOptions(mode="off").encode()  # a measured full prefill
 
 
-def reference_answers(post, url: str, prompts, salt: str) -> list[tuple[int, ...]]:
+def reference_answers(url: str, prompts, salt: str) -> list[tuple[int, ...]]:
     """Each prompt's greedy answer under vLLM's full prefill (a fresh salt each, the connector off)."""
     out = []
     for i, plan in enumerate(prompts):
-        _, obj = post(url, {"prompt": plan.ids, "max_tokens": ANSWER_TOKENS, "temperature": 0,
-                            "cache_salt": f"{salt}-answer-{i}", "kv_transfer_params": OFF, "return_token_ids": True})
+        _, obj = post_completion(url, {"prompt": plan.ids, "max_tokens": ANSWER_TOKENS, "temperature": 0,
+                                       "cache_salt": f"{salt}-answer-{i}", "kv_transfer_params": OFF,
+                                       "return_token_ids": True})
         out.append(tuple(obj["choices"][0].get("token_ids") or ()))
     return out
 
 
-def teacher_forced(post, url: str, prompts, answers, body: Callable[[int, object, list[int]], dict]
+def teacher_forced(url: str, prompts, answers, body: Callable[[int, object, list[int]], dict]
                    ) -> list[list[dict[int, float]]]:
     """Per prompt, the top logprobs (by token id) at every answer position, the answer fed back; ``body(i,
     plan, ids)`` makes the request for prompt i's plan with token ids ``ids`` (its salt and parameters)."""
@@ -56,7 +57,7 @@ def teacher_forced(post, url: str, prompts, answers, body: Callable[[int, object
         for j in range(max(1, len(answer))):
             req = {**body(i, plan, list(plan.ids) + list(answer[:j])), "max_tokens": 1, "temperature": 0,
                    "logprobs": TOP, "return_tokens_as_token_ids": True}
-            _, obj = post(url, req)
+            _, obj = post_completion(url, req)
             top = (obj["choices"][0].get("logprobs") or {}).get("top_logprobs") or [{}]
             dists.append({int(t.rsplit(":", 1)[1]): lp for t, lp in (top[0] or {}).items()})
         out.append(dists)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
-from contextkit.bench.harness import BenchContext, median, percentile
+from contextkit.bench.harness import BenchContext, median, percentile, post_completion
 from contextkit.core.errors import ConfigError
 
 ARMS = ("round_robin", "current", "events", "vllm_router", "vllm_router_unordered", "oracle")
@@ -267,18 +267,12 @@ def _subscribed(router, timeout_s: float = 60.0) -> None:
 
 def _fresh(servers) -> None:
     """Empty every server's prefix cache, then run one step on each so vLLM publishes the clear."""
-    import json
-    import urllib.request
-
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
 
     for s in servers:
         if not reset_prefix_cache(s.url):
             raise ConfigError(f"{s.url} refused /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1)")
-        body = json.dumps({"model": "smol", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
-        req = urllib.request.Request(s.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120):
-            pass
+        post_completion(s.url, {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 1}, timeout_s=120)
 
 
 def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[dict], dict]:

@@ -12,6 +12,8 @@ import json
 import platform
 import statistics
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from contextkit.core.config import ContextKitConfig
-from contextkit.core.errors import ConfigError, InputError
+from contextkit.core.errors import ConfigError, InputError, UpstreamError
 from contextkit.core.stats import percentile
 
 # name -> module that defines run(ctx, progress) -> BenchResult (and optionally plot(result, path)).
@@ -196,3 +198,17 @@ def run_bench(ctx: BenchContext, console: Console | None = None) -> BenchResult:
         module.plot(result, ctx.plot)
         console.print(f"wrote {ctx.plot}")
     return result
+
+
+def post_completion(url: str, body: dict, *, timeout_s: float = 600) -> tuple[float, dict]:
+    """POST ``body`` to ``url``'s /v1/completions: (milliseconds to the whole answer, its JSON). An error
+    status raises UpstreamError with the start of the body. (urllib, not httpx: a bench's timing loop wants
+    nothing between it and the socket, and these calls are one at a time.)"""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            obj = json.load(r)
+    except urllib.error.HTTPError as exc:
+        raise UpstreamError(f"{url} answered {exc.code}: {exc.read()[:300]!r}") from None
+    return (time.perf_counter() - t0) * 1e3, obj

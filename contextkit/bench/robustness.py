@@ -63,13 +63,12 @@ import asyncio
 import json
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 from contextkit.bench.abuser import KINDS, RECOMPUTE_POOL, prime_recompute, raw_status, start_abuser
 from contextkit.bench.data import load_records
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, percentile, post_completion
 from contextkit.bench.host import rss_kb, split_cpus
 from contextkit.bench.leaks import forge, forged_served, probe
 from contextkit.bench.stream_client import scrape_metrics
@@ -188,11 +187,7 @@ def _prime(url: str, vllm_url: str, model: str, timeout_s: float) -> int:
 def _one_step(vllm_url: str, model: str, timeout_s: float) -> None:
     """A one-token completion straight to vLLM: the worker's counters reach /metrics only with an engine
     step's output, so saves made while the server idles show up after the next step."""
-    body = json.dumps({"model": model, "prompt": "ok", "max_tokens": 1}).encode()
-    req = urllib.request.Request(f"{vllm_url}/v1/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        resp.read()
+    post_completion(vllm_url, {"model": model, "prompt": "ok", "max_tokens": 1}, timeout_s=timeout_s)
 
 
 def _row(server: str, row: dict, m: dict, logs: Path) -> dict:
