@@ -118,7 +118,8 @@ class ContextKit:
         """``text`` as the model's token ids."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def plan_prompt(self, prompt: str | Sequence[int], tenant: Tenant | str = "", max_new_tokens: int = 16) -> RequestPlan:
+    def plan_prompt(self, prompt: str | Sequence[int], tenant: Tenant | str = "",
+                    max_new_tokens: int = 16) -> RequestPlan:
         """A completion prompt (text, tokenized with the model's special tokens, or token ids) as a plan
         for ``run``: no documents, no reuse, a plain prefill (422 if empty, out of vocabulary or too long)."""
         return self.planner.plan_prompt(prompt, Tenant.of(tenant), max_new_tokens=max_new_tokens)
@@ -162,7 +163,8 @@ class ContextKit:
         """The request's plan, ordered for the tenant by the kit's Weaver (nothing recorded yet)."""
         return self.planner.plan(request, self.weaver)
 
-    def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams(), compile_after: bool = True) -> KitStream:
+    def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams(),
+            compile_after: bool = True) -> KitStream:
         """Start ``plan``: a plain prefill of its tokens, or the KV path when ``plan.options`` allows
         reuse. The served order is recorded for the tenant once the prompt is in place.
 

@@ -135,7 +135,8 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype) -> Weight
                     norm(p + "post_attention_layernorm.weight", spec.hidden_size) if spec.sandwich_norms else None
                 ),
                 mlp_norm=norm(
-                    p + ("pre_feedforward_layernorm.weight" if spec.sandwich_norms else "post_attention_layernorm.weight"),
+                    p + ("pre_feedforward_layernorm.weight" if spec.sandwich_norms
+                         else "post_attention_layernorm.weight"),
                     spec.hidden_size,
                 ),
                 wgu=cat(take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")),  # type: ignore[arg-type]

@@ -35,7 +35,8 @@ def load(path: Path, n: int) -> tuple[list[str], list[contextkit.Evidence]]:
     for r in rows:
         for p in r["passages"]:
             passages.setdefault((p.get("title"), p["text"]), None)
-    return [r["question"] for r in rows], [contextkit.Evidence(t, id=f"p{i}", title=title) for i, (title, t) in enumerate(passages)]
+    return [r["question"] for r in rows], [contextkit.Evidence(t, id=f"p{i}", title=title)
+                                           for i, (title, t) in enumerate(passages)]
 
 
 def main() -> None:

@@ -147,7 +147,8 @@ def mac(mac_key: bytes, chunks) -> bytes:
 
 def _aead(enc_key: bytes):
     if not isinstance(enc_key, bytes) or len(enc_key) != ENC_KEY_BYTES:
-        raise KVCacheError(f"a KV encryption key is {ENC_KEY_BYTES} bytes (contextkit.core.tenancy.derive(secret, 'kv-enc'))")
+        raise KVCacheError(f"a KV encryption key is {ENC_KEY_BYTES} bytes "
+                           "(contextkit.core.tenancy.derive(secret, 'kv-enc'))")
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError as exc:

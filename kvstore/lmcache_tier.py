@@ -100,7 +100,8 @@ class LMCacheTierConfig:
                               "contextkit.core.tenancy.derive(secret, 'kv-mac')): entries that leave the process "
                               "are authenticated")
         if self.enc_key is not None and len(self.enc_key) != ENC_KEY_BYTES:
-            raise ConfigError(f"enc_key must be {ENC_KEY_BYTES} bytes (contextkit.core.tenancy.derive(secret, 'kv-enc'))")
+            raise ConfigError(f"enc_key must be {ENC_KEY_BYTES} bytes "
+                              "(contextkit.core.tenancy.derive(secret, 'kv-enc'))")
         if self.max_bytes <= 0 or self.pool_bytes <= 0 or self.timeout_s <= 0:
             raise ConfigError("max_bytes, pool_bytes and timeout_s must be positive")
 

@@ -5,7 +5,8 @@ span cache at several query_attention ratios, each with one or more probe depths
 measures the answer KL over the whole teacher-forced answer against full prefill in the same dtype
 (``contextkit.spans.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
 weights digest and dtype, and answers one question at request time (``choose``): for a prompt of this
-many context tokens and a budget of b nats per answer token, which is the fastest setting whose answer KL stays within b on the profile's quantile of the
+many context tokens and a budget of b nats per answer token, which is the fastest setting whose answer
+KL stays within b on the profile's quantile of the
 calibration prompts of the nearest length band?
 
 The fit is conservative, not a curve, in three ways:
@@ -19,7 +20,8 @@ The fit is conservative, not a curve, in three ways:
   one is never chosen;
 - of the qualifying settings, of every depth, the one measured fastest (``Point.speedup``, median TTFT
   against full prefill on the same prompts; within 5% counts as a tie, won by the smaller bound) is
-  chosen: a deeper probe costs more per request but may reach the budget at a lower ratio, and only the measurement says which is faster; a setting measured
+  chosen: a deeper probe costs more per request but may reach the budget at a lower ratio, and only
+  the measurement says which is faster; a setting measured
   slower than full prefill is never chosen, since full prefill is exact and faster.
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
 dtype is refused (``CalibrationError``), never used; so is one whose values are out of range (a ratio above

@@ -22,7 +22,8 @@ from contextkit.spans.key import ModelIdentity, SpanKey, span_key
 from contextkit.spans.store import SpanStore
 
 
-def chain_key(identity: ModelIdentity, item_tokens: tuple[int, ...], prev: SpanKey | None, tenant: Tenant | str) -> SpanKey:
+def chain_key(identity: ModelIdentity, item_tokens: tuple[int, ...], prev: SpanKey | None,
+              tenant: Tenant | str) -> SpanKey:
     """The key of a span computed in place right after the exact prefix ``prev`` names (None: at 0)."""
     return span_key(identity, item_tokens, (prev,) if prev is not None else (), tenant)
 

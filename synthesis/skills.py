@@ -17,7 +17,8 @@ vLLM's prefix cache keeps; on the KV path each skill is a span whose KV ``compil
 with its recompute policy. At its canonical place (after a given system prompt) a skill is anchored: a
 request that finds no exact prefix link for it there re-positions it and leaves its place to be computed
 off the request path (``compile(skill, system=...)`` does that ahead of time), so later requests with
-that system prompt reuse it exactly, nothing recomputed. ``items`` gives the plan items of a skill for a plan built by hand, to splice
+that system prompt reuse it exactly, nothing recomputed. ``items`` gives the plan items of a skill for
+a plan built by hand, to splice
 it anywhere else (mid-conversation).
 
 Errata. ``edit`` changes a field of a skill (a version number, a tool name): while the edits are few and

@@ -32,7 +32,8 @@ def main() -> int:
                 shutil.copytree(REPO / folder, pkg / name.removeprefix("contextkit."), ignore=only_python)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         exe = Path(sys.executable).parent / "lint-imports"
-        return subprocess.call([str(exe), str(REPO / "pyproject.toml")], env=env, cwd=tmp)  # import-linter puts the cwd first on sys.path
+        # import-linter puts the cwd first on sys.path
+        return subprocess.call([str(exe), str(REPO / "pyproject.toml")], env=env, cwd=tmp)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ RECOMPUTE_POOL = 12  # passages the recompute case draws its 6 from
 _WORDS = "archive ledger museum river harbor station library garden tower bridge market valley".split()
 
 
-def raw_status(port: int, data: bytes, timeout_s: float, *, read: bool = True, drop_after: int | None = None) -> int | None:
+def raw_status(port: int, data: bytes, timeout_s: float, *, read: bool = True,
+               drop_after: int | None = None) -> int | None:
     """Send raw bytes; the status answered (None: none within ``timeout_s``, or not asked for)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
         s.sendall(data if drop_after is None else data[:drop_after])
@@ -99,7 +100,8 @@ def _handmade(server: str, max_body: int, model: str, recompute: str | None = No
         ("spoofed", _http(chat, json.dumps({**q, "documents": [{"text": "x"}],
                                             "contextkit": {"tenant": "good0"}}).encode(), me), {"must_refuse": True}),
         ("dropped", _http(chat, json.dumps(q).encode(), me), {"drop_after": 60}),
-        ("dropped", _http(chat, json.dumps({**q, "stream": True, "max_tokens": 64}).encode(), me), {"drop_stream": True}),
+        ("dropped", _http(chat, json.dumps({**q, "stream": True, "max_tokens": 64}).encode(), me),
+         {"drop_stream": True}),
         ("dropped", b"", {"read": False}),
     ]
     if server == "proxy":
@@ -227,7 +229,7 @@ def start_abuser(url: str, server: str, model: str, seconds: float, timeout_s: f
                           f"{', '.join((*KINDS, 'schemathesis'))}")
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed, handmade_threads, rate,
-                                            skip, recompute, q), daemon=True)
+    proc = ctx.Process(target=_abuse, args=(url, server, model, seconds, timeout_s, max_body, seed,
+                                            handmade_threads, rate, skip, recompute, q), daemon=True)
     proc.start()
     return proc, q

@@ -157,8 +157,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
-                                     "ratios": ratios, "probe_layers": probes, "quantile": q, "answer_tokens": answer_tokens,
-                                     "profile": str(out)},
+                                     "ratios": ratios, "probe_layers": probes, "quantile": q,
+                                     "answer_tokens": answer_tokens, "profile": str(out)},
                        _rows(profile), _summary(profile, n))
 
 

@@ -106,7 +106,8 @@ class _Rows:
             ms, obj = post_completion(url, make(i, plan))
             text, top = _first(obj)
             use = obj.get("usage") or {}
-            self.per[row].append((ms, text, top, int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+            self.per[row].append((ms, text, top,
+                                  int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
             self.reports.setdefault(row, []).append(((obj.get("kv_transfer_params") or {}).get("contextkit")) or {})
             self.tick(row)
 
@@ -168,9 +169,11 @@ def _span_rows(m: _Rows, url: str, wait_saved) -> float:
     for plan in m.first_pass:
         ms, obj = post_completion(url, _body(plan, pic_salt(salt, pic), pic_params(plan, salt, pic)))
         text, top = _first(obj)
-        m.per["span compile (first pass)"].append((ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
+        m.per["span compile (first pass)"].append(
+            (ms, text, top, int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)))
         ids = plan.ids
-        saved = {tuple(x) for x in ((obj.get("kv_transfer_params") or {}).get("contextkit") or {}).get("saved_spans") or ()}
+        saved = {tuple(x)
+                 for x in ((obj.get("kv_transfer_params") or {}).get("contextkit") or {}).get("saved_spans") or ()}
         for s, e in spans_of(plan):
             span = tuple(ids[s:e])
             if span not in compiled:
@@ -197,7 +200,8 @@ def _recompute_rows(m: _Rows, url: str) -> None:
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
     from contextkit.integrations.proxy.span_compiler import pic_params, pic_salt
 
-    for row, opts in ((recompute.RECOMPUTE, ReuseOptions()), (recompute.KV_DEVIATION, ReuseOptions(policy="kv_deviation"))):
+    for row, opts in ((recompute.RECOMPUTE, ReuseOptions()),
+                      (recompute.KV_DEVIATION, ReuseOptions(policy="kv_deviation"))):
         reset_prefix_cache(url)
 
         def make(i, p, o=opts):  # the selection looks at the question only, also when the answer is fed back
@@ -346,8 +350,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     out_rows = _row_stats(m.per, tokens)
     summary = _summary({r["row"]: r for r in out_rows}, saved_share, tokens)
     summary.update(_saving_vs_prefix(m.per))
-    summary["restart_load_ms_p50"] = round(median([r[0] - f[0] for r, f in zip(m.per["connector after restart"],
-                                                                                  m.per["local prefix hit (floor)"])]), 1)
+    summary["restart_load_ms_p50"] = round(median([r[0] - f[0]
+                                                   for r, f in zip(m.per["connector after restart"],
+                                                                   m.per["local prefix hit (floor)"])]), 1)
     summary["span_saved_share"] = span_share
     summary.update(_recompute_summary(m, {r["row"]: r for r in out_rows}, before, after, model_dir,
                                       srv.a.config.resolved_dtype))

@@ -179,7 +179,9 @@ def _summary(ctx: BenchContext, dtypes: tuple[str, ...], lengths: tuple[int, ...
             median(prefill[("engine", "bfloat16", L)]) / median(prefill[("engine", "float32", L)]), 3
         )
         summary["bf16_kl_vs_fp32_p50"] = next(
-            r["kl_vs_float32_p50"] for r in rows if r["impl"] == "engine" and r["dtype"] == "bfloat16" and r["tokens"] == L
+            r["kl_vs_float32_p50"]
+            for r in rows
+            if r["impl"] == "engine" and r["dtype"] == "bfloat16" and r["tokens"] == L
         )
     return summary
 

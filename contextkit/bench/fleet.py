@@ -6,7 +6,8 @@ under ``--set tenants=4`` tenants' salts. Each simulated server is fed ``BlockSt
 trace's prompts in an order of its own until its index holds ``--set blocks=10000`` blocks (the bound
 forgets the oldest, as a server evicts), all into one ``FleetIndex``. Then every request is scored
 against the whole fleet: its keys (``prompt_keys``) and one pass over the fleet map
-(``FleetIndex.depth_groups``: the servers grouped by how much of the prompt they hold), beside the per-server walk it replaces.
+(``FleetIndex.depth_groups``: the servers grouped by how much of the prompt they hold), beside the per-server
+walk it replaces.
 
 Rows, one per fleet size: the blocks held (all servers), distinct keys, the index's memory (tracemalloc:
 the per-server indexes and the fleet map), memory per 100k blocks, ingest time per stored block, and the

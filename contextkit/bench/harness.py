@@ -204,7 +204,8 @@ def post_completion(url: str, body: dict, *, timeout_s: float = 600) -> tuple[fl
     """POST ``body`` to ``url``'s /v1/completions: (milliseconds to the whole answer, its JSON). An error
     status raises UpstreamError with the start of the body. (urllib, not httpx: a bench's timing loop wants
     nothing between it and the socket, and these calls are one at a time.)"""
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

@@ -64,13 +64,15 @@ def forge(ctx: BenchContext, redis_url: str, work: Workload, victim: str) -> Non
     from contextkit import ContextKit, Evidence, ReuseOptions, SamplingParams
     from contextkit.core.config import ContextKitConfig, KVStoreConfig
 
-    cfg = ContextKitConfig(model=ctx.config.model, cache_dir=ctx.config.cache_dir, secret="a forger without the deployment secret: " + "f" * 32,
+    cfg = ContextKitConfig(model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+                           secret="a forger without the deployment secret: " + "f" * 32,
                            kvstore=KVStoreConfig(remote_url=redis_url))
     kit = ContextKit(cfg)
     try:
         for rec in work.held:
             docs = [Evidence(p.text, title=p.title) for p in rec.passages[:DOCS]]
-            kit.generate(rec.question, docs, reuse=ReuseOptions(), params=SamplingParams(max_new_tokens=1), tenant=victim)
+            kit.generate(rec.question, docs, reuse=ReuseOptions(), params=SamplingParams(max_new_tokens=1),
+                         tenant=victim)
     finally:
         kit.close()
 

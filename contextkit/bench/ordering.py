@@ -106,7 +106,8 @@ class TraceRenderer:
         return plan.ids, plan.padding_tokens
 
 
-def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences: int, block_size: int, seed: int) -> list[float]:
+def overhead_us(requests: list[TraceRequest], renderer: TraceRenderer, sequences: int, block_size: int,
+                seed: int) -> list[float]:
     """Per-call ``Weaver.order`` time with ``sequences`` served sequences in the tree (one tenant)."""
     rng = random.Random(seed)
     weaver = Weaver(block_size=block_size, max_nodes=max(100_000, sequences * 12))
@@ -235,9 +236,13 @@ def _summary(rows: list[dict], requests: list[TraceRequest], over: list[float]) 
         if "oracle" in by:
             o = by["oracle"]
             gain = o["cached_tokens_mean"] - base["cached_tokens_mean"]
-            summary["share_of_oracle_gain"] = round((w["cached_tokens_mean"] - base["cached_tokens_mean"]) / gain, 4) if gain > 0 else None
+            summary["share_of_oracle_gain"] = (
+                round((w["cached_tokens_mean"] - base["cached_tokens_mean"]) / gain, 4) if gain > 0 else None
+            )
             tgain = base["ttft_ms_p50"] - o["ttft_ms_p50"]
-            summary["share_of_oracle_ttft_gain"] = round((base["ttft_ms_p50"] - w["ttft_ms_p50"]) / tgain, 4) if tgain > 0 else None
+            summary["share_of_oracle_ttft_gain"] = (
+                round((base["ttft_ms_p50"] - w["ttft_ms_p50"]) / tgain, 4) if tgain > 0 else None
+            )
         if "weaver+aligned" in by:
             summary["aligned_ttft_vs_weaver"] = round(by["weaver+aligned"]["ttft_ms_p50"] / w["ttft_ms_p50"], 4)
     return summary

@@ -96,7 +96,8 @@ class Clients:
             lc_plain=ChatOpenAI(base_url=upstream + "/v1", api_key="none", model=model, max_tokens=max_tokens,
                                 temperature=0, max_retries=0, extra_body={"cache_salt": salt["langchain without"]}),
             lc_ck=ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with"]),
-            lc_ret=ChatContextKit(base_url=proxy, max_tokens=max_tokens, tenant=salt["langchain with (retrieval order)"]),
+            lc_ret=ChatContextKit(base_url=proxy, max_tokens=max_tokens,
+                                  tenant=salt["langchain with (retrieval order)"]),
             li_plain=OpenAILike(api_base=upstream + "/v1", api_key="none", model=model, is_chat_model=True,
                                 context_window=8192, max_tokens=max_tokens, temperature=0, max_retries=0,
                                 additional_kwargs={"extra_body": {"cache_salt": salt["llamaindex without"]}}),
@@ -134,7 +135,8 @@ def run_one(c: Clients, name: str, req) -> dict:
         retrieved = EvidenceRetriever(search=lambda q: evidence).invoke(req.question)
     out: dict = {}
     if name == "langchain without":
-        ttft, text, _ = _timed_stream(c.lc_plain.stream([SystemMessage(system), HumanMessage(_stuffed(req.question, docs))]),
+        ttft, text, _ = _timed_stream(c.lc_plain.stream([SystemMessage(system),
+                                                         HumanMessage(_stuffed(req.question, docs))]),
                                       _lc_text)
     elif name.startswith("langchain with"):
         kw = {"ordering": "retrieval"} if "retrieval order" in name else {}
@@ -142,7 +144,8 @@ def run_one(c: Clients, name: str, req) -> dict:
         ttft, text, (last, total) = _timed_stream(llm.stream(req.question, documents=retrieved, **kw), _lc_text, _ours)
         out = {"meta": last.response_metadata, "overhead": total - last.response_metadata["total_ms"]}
     elif name == "llamaindex without":
-        msgs = [ChatMessage(role="system", content=system), ChatMessage(role="user", content=_stuffed(req.question, docs))]
+        msgs = [ChatMessage(role="system", content=system),
+                ChatMessage(role="user", content=_stuffed(req.question, docs))]
         ttft, text, _ = _timed_stream(c.li_plain.stream_chat(msgs), lambda ch: ch.delta)
     elif name == "llamaindex with":
         ttft, text, (last, total) = _timed_stream(c.li_ck.stream_complete(req.question, documents=retrieved),

@@ -25,13 +25,13 @@ framework's retriever (``EvidenceRetriever``).
   sent again; the conversation grows each turn), for the de-duplication the issue asks about.
 
 ``langchain with (retrieval order)``: the same adapter with ``ordering="retrieval"``, to tell the effect of
-reordering on the answers from the rest of the path. TTFT: call to first streamed text, measured outside the framework. Answers: greedy, ``--set
-max_tokens=16``; ``answer_f1`` (gold, points), ``answer_agreement_f1`` (token F1 of the answer with
-contextkit against the one without, same request). ``adapter_overhead_ms_p50``: the time our adapter code
-spends per call (framework messages and documents to the SDK call, the answer back to the framework's
-response), timed on each request's own inputs; ``framework_overhead_ms_p50``: the wall time of a streamed
-adapter call minus the transport's own time for it (LangChain's or LlamaIndex's callbacks and chunk
-handling included).
+reordering on the answers from the rest of the path. TTFT: call to first streamed text, measured outside the
+framework. Answers: greedy, ``--set max_tokens=16``; ``answer_f1`` (gold, points), ``answer_agreement_f1``
+(token F1 of the answer with contextkit against the one without, same request). ``adapter_overhead_ms_p50``:
+the time our adapter code spends per call (framework messages and documents to the SDK call, the answer back
+to the framework's response), timed on each request's own inputs; ``framework_overhead_ms_p50``: the wall time
+of a streamed adapter call minus the transport's own time for it (LangChain's or LlamaIndex's callbacks and
+chunk handling included).
 
 Summary: ``langchain_ttft_reduction``, ``llamaindex_ttft_reduction`` (1 - with / without median TTFT,
 vLLM path), ``kv_path_ttft_reduction``, ``kv_path_tf_agreement`` (and ``_answer_kl_p50``/``_p90``,
@@ -58,7 +58,8 @@ from contextkit.core.types import Evidence
 PIPELINES = ("langchain without", "langchain with", "langchain with (retrieval order)", "llamaindex without",
              "llamaindex with", "kv without (full prefill)", "kv with (span reuse)")
 BASELINE = {"langchain with": "langchain without", "llamaindex with": "llamaindex without",
-            "langchain with (retrieval order)": "langchain without", "kv with (span reuse)": "kv without (full prefill)"}
+            "langchain with (retrieval order)": "langchain without",
+            "kv with (span reuse)": "kv without (full prefill)"}
 
 
 def bootstrap_ci(deltas: list[float], seed: int, reps: int = 2000) -> tuple[float, float]:
@@ -175,7 +176,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     )
     from contextkit.kit import ContextKit
 
-    k, max_tokens, block = ctx.option("k", 10, int), ctx.option("max_tokens", 16, int), ctx.option("block_size", 32, int)
+    k, max_tokens, block = (ctx.option("k", 10, int), ctx.option("max_tokens", 16, int),
+                            ctx.option("block_size", 32, int))
     sessions_on = bool(ctx.option("sessions", 1, int))
     if ctx.n is None:
         ctx = dataclasses.replace(ctx, n=40)
@@ -261,8 +263,9 @@ def _summary(per: dict[str, dict[str, list]], by: dict[str, dict], seed: int, re
 
     f1_delta = ((by["langchain with"]["answer_f1"] - by["langchain without"]["answer_f1"])
                 + (by["llamaindex with"]["answer_f1"] - by["llamaindex without"]["answer_f1"])) / 2
-    paired = [100 * ((a - b) + (c - d)) / 2 for a, b, c, d in zip(per["langchain with"]["f1"], per["langchain without"]["f1"],
-                                                               per["llamaindex with"]["f1"], per["llamaindex without"]["f1"])]
+    paired = [100 * ((a - b) + (c - d)) / 2
+              for a, b, c, d in zip(per["langchain with"]["f1"], per["langchain without"]["f1"],
+                                    per["llamaindex with"]["f1"], per["llamaindex without"]["f1"])]
     lo, hi = bootstrap_ci(paired, seed)
     overhead = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("adapter", [])]
     framework = [x for n in ("langchain with", "llamaindex with") for x in per[n].get("overhead", [])]

@@ -239,7 +239,8 @@ def _soak_phase(t: _Target, questions: list[str], soak_s: float, rows: list[dict
     ok, errs, rss = asyncio.run(_soak(t.proxy, t.model, questions, soak_s, t.proxy_pid, t.max_tokens))
     growth = (rss["end"] - rss["start"]) / rss["start"] if rss.get("start") else None
     rows.append({"phase": "soak", "concurrency": 64, "seconds": soak_s, "requests": ok + errs, "errors": errs,
-                 "rss_mb_start": round(rss.get("start", 0) / 1024, 1), "rss_mb_end": round(rss.get("end", 0) / 1024, 1)})
+                 "rss_mb_start": round(rss.get("start", 0) / 1024, 1),
+                 "rss_mb_end": round(rss.get("end", 0) / 1024, 1)})
     summary.update(soak_s=soak_s, soak_requests=ok + errs, soak_errors=errs,
                    rss_growth=round(growth, 4) if growth is not None else None)
     return errs
@@ -276,8 +277,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             upstream = server.url
         model = served_model(upstream)
         proxy_proc = proxy_process(  # the trace's tenants are named by the client: an open proxy on loopback
-            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir, log_file=logs / "bench-proxy.log",
-            args=["--block-size", str(block), "--allow-client-tenant"], cpus=proxy_cpus)
+            upstream=upstream, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
+            log_file=logs / "bench-proxy.log", args=["--block-size", str(block), "--allow-client-tenant"],
+            cpus=proxy_cpus)
         proxy_proc.launch()
         if proxy_cpus:
             os.sched_setaffinity(0, proxy_cpus)  # the load generator shares the proxy's core, not the engine's

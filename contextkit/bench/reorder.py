@@ -185,7 +185,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     rows = {name: row(name, measured) for name, measured in per.items()}
     config = {"model": ctx.config.model, "dtype": dtype, "k": k, "decode_tokens": decode, "seed": ctx.seed}
     return BenchResult("reorder", config, list(rows.values()), summary(
-        rows, n_trace=len(requests), part=part, with_gold=sum(1 for req, _ in chosen if any(a.strip() for a in req.answers))))
+        rows, n_trace=len(requests), part=part,
+        with_gold=sum(1 for req, _ in chosen if any(a.strip() for a in req.answers))))
 
 
 def plot(result: BenchResult, path: Path) -> None:

@@ -24,7 +24,8 @@ tenants that send one request each). Per server:
 3. **Leak probes**: each probe tenant sends, once, a documents request whose documents the good tenants
    sent (and, through the proxy, a good tenant's exact plain chat with that tenant's name as
    ``cache_salt``; and each generation route, ``bench.boundary.route_probes``). A first request of a new
-   tenant depends on another tenant's history if it reports cached or reordered anything: ``expected_cached_tokens``, ``reordered``, vLLM's ``cached_tokens``
+   tenant depends on another tenant's history if it reports cached or reordered anything:
+   ``expected_cached_tokens``, ``reordered``, vLLM's ``cached_tokens``
    (proxy), ``span_hits`` or ``cached_tokens`` (serve). A spoofed request answered 2xx counts too.
 4. **Forged KV** (serve): before serve starts, a forger with write access to the shared Redis tier but
    not the deployment secret compiles the documents of questions nobody asked yet under a good tenant's
@@ -117,7 +118,8 @@ def _under_abuse(ctx: BenchContext, server: str, url: str, work: Workload, strea
                  ) -> tuple[tuple, dict]:
     """The good streams while the abuser process runs; (the good streams' result, the abuser's counts)."""
     o = ctx.option
-    duration_s, timeout_s, max_tokens = o("duration_s", 300.0, float), o("timeout_s", 60.0, float), o("max_tokens", 8, int)
+    duration_s, timeout_s, max_tokens = (o("duration_s", 300.0, float), o("timeout_s", 60.0, float),
+                                         o("max_tokens", 8, int))
     max_body = ProxySettings.model_fields["max_body_bytes"].default if server == "proxy" else 8 << 20
     abuser, q = start_abuser(url, server, work.model, duration_s, timeout_s, max_body, ctx.seed,
                              o(f"{server}_abuse_threads", 8 if server == "serve" else 3, int),
@@ -137,10 +139,12 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
              streams: int, row: dict) -> dict:
     """The phases against one running server: warm-up, baseline, abuse, probes, forged KV."""
     o = ctx.option
-    baseline_s, timeout_s, max_tokens = o("baseline_s", 60.0, float), o("timeout_s", 60.0, float), o("max_tokens", 8, int)
+    baseline_s, timeout_s, max_tokens = (o("baseline_s", 60.0, float), o("timeout_s", 60.0, float),
+                                         o("max_tokens", 8, int))
     url = proc.url
     tick(f"{server}: warm-up")  # every good request once, unmeasured: the phases compare warm servers
-    asyncio.run(good_streams(url, work, streams, 0.0, max_tokens, timeout_s, rounds=len(work.records) * 4 // streams + 1))
+    asyncio.run(good_streams(url, work, streams, 0.0, max_tokens, timeout_s,
+                             rounds=len(work.records) * 4 // streams + 1))
     if url_of.get("connector"):
         row["connector_primed_entries"] = _prime(url, url_of["vllm"], work.model, timeout_s)
     tick(f"{server}: baseline")
@@ -296,7 +300,8 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def _config(ctx: BenchContext, servers: list[str]) -> dict:
-    config = {k: ctx.option(k, d) for k, d in (("baseline_s", 60.0), ("duration_s", 300.0), ("streams", 64), ("questions", 24),
+    config = {k: ctx.option(k, d) for k, d in (("baseline_s", 60.0), ("duration_s", 300.0), ("streams", 64),
+                                                 ("questions", 24),
                                                  ("proxy_abuse_threads", 3), ("serve_abuse_threads", 8),
                                                  ("proxy_abuse_rate", 0.0),
                                                  ("serve_abuse_rate", 20.0),

@@ -78,7 +78,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
                 "fraction_of_prefill": round(ms / prefill_ms, 5),
                 "default": name == "cpu (rotate-copy)" and dt == "float32",
             })
-    triton_row = {"path": "triton", "dtype": "-", "tokens": tokens, "note": "GPU only; CPU tests run it in the interpreter"}
+    triton_row = {"path": "triton", "dtype": "-", "tokens": tokens,
+                  "note": "GPU only; CPU tests run it in the interpreter"}
     rows.append(triton_row)
     best = next(r for r in rows if r.get("default"))
     summary = {

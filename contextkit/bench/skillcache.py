@@ -108,7 +108,8 @@ def chat_stream(http: httpx.Client, url: str, body: dict) -> Sample:
     s = stream(http, url + "/v1/chat/completions", {**body, "stream": True}, where=url)
     if s.cached_tokens is None:
         raise UpstreamError("the upstream reports no cached_tokens; start vLLM with --enable-prompt-tokens-details")
-    return Sample(s.ttft_ms, int(s.usage["prompt_tokens"]), int(s.cached_tokens), tuple(s.contextkit.get("skills") or ()))
+    return Sample(s.ttft_ms, int(s.usage["prompt_tokens"]), int(s.cached_tokens),
+                  tuple(s.contextkit.get("skills") or ()))
 
 
 def _in_block(cached: int, r: Rendered) -> int:

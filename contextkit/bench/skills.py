@@ -98,7 +98,8 @@ def methods() -> dict[str, tuple[ReuseOptions, str]]:
         SPLICE_FULL: (ReuseOptions(policy="full"), "spliced"),
         "spliced: reuse": (ReuseOptions(policy="none", first_k=0), "spliced"),
         "spliced: first_k k=8": (ReuseOptions(policy="first_k", first_k=8), "spliced"),
-        "spliced: query_attention r=0.1": (ReuseOptions(policy="query_attention", ratio=0.1, max_recompute=None), "spliced"),
+        "spliced: query_attention r=0.1": (ReuseOptions(policy="query_attention", ratio=0.1, max_recompute=None),
+                                           "spliced"),
         SPLICE_DEFAULT: (d, "spliced"),
     }
 

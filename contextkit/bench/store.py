@@ -77,14 +77,17 @@ def _make_tier(name: str, *, urls: dict[str, str], tmp: Path, mac_key: bytes, en
     return {
         "memory": lambda: MemoryTier(4 << 30),
         "lmcache-cpu": lambda: LMCacheTier(LMCacheTierConfig("cpu", max_bytes=2 << 30, mac_key=mac_key), "lmcache-cpu"),
-        "disk": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk", pool_bytes=1 << 30, mac_key=mac_key)),
-        "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30, mac_key=mac_key)),
-        "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30, mac_key=mac_key,
-                                                       timeout_s=30)),
+        "disk": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk", pool_bytes=1 << 30,
+                                                      mac_key=mac_key)),
+        "lm": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["lm"], pool_bytes=1 << 30,
+                                                    mac_key=mac_key)),
+        "redis": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30,
+                                                       mac_key=mac_key, timeout_s=30)),
         "disk-aes": lambda: LMCacheTier(LMCacheTierConfig("disk", disk_dir=tmp / "disk-aes", pool_bytes=1 << 30,
                                                           mac_key=mac_key, enc_key=enc_key), "disk-aes"),
         "redis-aes": lambda: LMCacheTier(LMCacheTierConfig("remote", remote_url=urls["redis"], pool_bytes=1 << 30,
-                                                           mac_key=mac_key, enc_key=enc_key, timeout_s=30), "redis-aes"),
+                                                           mac_key=mac_key, enc_key=enc_key, timeout_s=30),
+                                         "redis-aes"),
     }[name]()  # fmt: skip
 
 
@@ -209,8 +212,10 @@ def _summary(rows: list[dict], sizes: list[int], compile_ms: dict, crypto: dict,
             summary[keyname + "_worst"] = max(r["get_vs_baseline"] for r in rows if r["tier"] == name)
     for name in ("disk", "redis"):  # encryption at rest, against the same tier without it
         if (name, pick) in at and (f"{name}-aes", pick) in at:
-            summary[f"{name}_aes_get_vs_plain"] = round(at[(f"{name}-aes", pick)]["get_ms_p50"] / at[(name, pick)]["get_ms_p50"], 3)
-            summary[f"{name}_aes_put_vs_plain"] = round(at[(f"{name}-aes", pick)]["put_ms"] / max(1e-3, at[(name, pick)]["put_ms"]), 3)
+            summary[f"{name}_aes_get_vs_plain"] = round(
+                at[(f"{name}-aes", pick)]["get_ms_p50"] / at[(name, pick)]["get_ms_p50"], 3)
+            summary[f"{name}_aes_put_vs_plain"] = round(
+                at[(f"{name}-aes", pick)]["put_ms"] / max(1e-3, at[(name, pick)]["put_ms"]), 3)
     c = crypto[pick]
     summary.update(mac_ms=round(c["mac_ms"], 3), mac_gb_s=round(c["mb"] / c["mac_ms"], 2),
                    encode_aes_ms=round(c["encode_aes_ms"], 3), decode_aes_ms=round(c["decode_aes_ms"], 3),
@@ -267,7 +272,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     summary = _summary(rows, sizes, compile_ms, crypto, reps=reps, dtype=dtype)
     config = {"sizes": sizes, "tiers": tiers, "reps": reps, "dtype": dtype, "model": ctx.config.model,
               "redis": "started by the bench" if not ctx.option("redis_url", "") else ctx.option("redis_url", ""),
-              "lmcache_server": "started by the bench" if not ctx.option("lmcache_url", "") else ctx.option("lmcache_url", "")}
+              "lmcache_server": ("started by the bench" if not ctx.option("lmcache_url", "")
+                                 else ctx.option("lmcache_url", ""))}
     return BenchResult("store", config, rows, summary)
 
 

@@ -59,7 +59,8 @@ def _reads(ctx: BenchContext) -> list[str]:
     """``--set read=``: what the synthesizer reads of the workers (their notes, or whole transcripts)."""
     reads = [r.strip() for r in ctx.option("read", "notes,transcripts", str).split(",")]
     if not reads or any(r not in READS for r in reads):
-        raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), got {ctx.option('read', '', str)!r}")
+        raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), "
+                         f"got {ctx.option('read', '', str)!r}")
     return reads
 
 
@@ -193,7 +194,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         kit.close()
     rows = _rows(per, reads)
     summary = _summary(rows, reads, len(records), worker_ms, note_len)
-    config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default", "n": len(records),
+    config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default",
+              "n": len(records),
               "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens,
               "read": reads, "split": part}
     return BenchResult("synthesis", config, rows, summary)

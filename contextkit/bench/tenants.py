@@ -52,7 +52,8 @@ class Workload:
         self.background = {f"good{i}": " ".join(p.text for p in self.records[i].passages[:2]) for i in range(GOOD)}
 
     def plain(self, tenant: str) -> dict:
-        return {"messages": [{"role": "system", "content": SYSTEM.format(tenant=tenant, background=self.background[tenant])},
+        return {"messages": [{"role": "system",
+                              "content": SYSTEM.format(tenant=tenant, background=self.background[tenant])},
                              {"role": "user", "content": "What is the team's background about?"}]}
 
     def request(self, i: int, tenant: str) -> dict:

@@ -155,7 +155,8 @@ def _connector_arm(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: 
         model = served_model(server.url)
         proxy = proxy_process(upstream=server.url, model=ctx.config.model, cache_dir=ctx.config.cache_dir,
                               log_file=_logs(ctx) / "bench-trace-proxy-connector.log",
-                              args=["--block-size", str(block), "--allow-client-tenant", "--kv-connector", "contextkit"],
+                              args=["--block-size", str(block), "--allow-client-tenant",
+                                    "--kv-connector", "contextkit"],
                               startup_timeout_s=300).start()
         out[CONNECTOR_ARM] = _replay(http, proxy.url + "/v1/chat/completions", requests, tick, "proxy + connector",
                                      lambda req: _chat(req, model, max_tokens, reuse={}))
@@ -211,7 +212,8 @@ def _rows(out: dict[str, list[dict[str, Any]]], requests: list[TraceRequest]) ->
         }
         if name in BASELINE:
             ref = out[BASELINE[name]]
-            row["answer_agreement_f1"] = round(sum(token_f1(x["text"], y["text"]) for x, y in zip(arm, ref)) / len(arm), 3)
+            row["answer_agreement_f1"] = round(
+                sum(token_f1(x["text"], y["text"]) for x, y in zip(arm, ref)) / len(arm), 3)
         kv = [x["contextkit"] for x in arm if x["contextkit"].get("reused_tokens") is not None]
         if kv and name.startswith("serve, ") and "full" not in name:
             prompt = sum(k.get("reused_tokens", 0) + k.get("recomputed_tokens", 0) + k.get("prefilled_tokens", 0)
@@ -234,7 +236,8 @@ def _summary(rows: list[dict[str, Any]], requests: int) -> dict[str, Any]:
         "serve_answer_agreement_f1": serve.get("answer_agreement_f1"),
         "proxy_answer_agreement_f1": proxy_row.get("answer_agreement_f1"),
         "serve_exact_share": serve.get("exact_share"), "serve_reused_share": serve.get("reused_share"),
-        "serve_no_idle_compile_ttft_ms_p50": by.get("serve, no idle compile (--no-compile-idle)", {}).get("ttft_ms_p50"),
+        "serve_no_idle_compile_ttft_ms_p50":
+            by.get("serve, no idle compile (--no-compile-idle)", {}).get("ttft_ms_p50"),
         "connector_ttft_ms_p50": by.get(CONNECTOR_ARM, {}).get("ttft_ms_p50"),
         "connector_answer_agreement_f1": by.get(CONNECTOR_ARM, {}).get("answer_agreement_f1"),
         "connector_ttft_vs_serve": (round(by[CONNECTOR_ARM]["ttft_ms_p50"] / serve["ttft_ms_p50"], 3)

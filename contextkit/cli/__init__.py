@@ -61,7 +61,9 @@ def generate(
     system: Annotated[Optional[str], typer.Option(help="System prompt (overrides the JSON's).")] = None,
     model: ModelOpt = "smollm2-135m-instruct",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")
+    ] = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: float = 1.0,
@@ -120,9 +122,15 @@ def generate(
 
 @app.command()
 def bench(
-    name: Annotated[str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, reorder, store, proxy, robustness, skills, synthesis, agent, pipelines, connector, trace, skillcache, installs, fleet).")],
+    name: Annotated[
+        str, typer.Argument(help="Benchmark name (engine, spans, rope, ordering, reorder, store, proxy, robustness, "
+                                 "skills, synthesis, agent, pipelines, connector, trace, skillcache, installs, fleet).")
+    ],
     data: Annotated[Optional[Path], typer.Option(help="JSONL in the shape of multihop_dev.jsonl.")] = None,
-    n: Annotated[Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace replay: all of it).")] = None,
+    n: Annotated[
+        Optional[int], typer.Option(help="Questions / requests / repetitions (default: the bench's own; a --trace "
+                                         "replay: all of it).")
+    ] = None,
     seed: int = 0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG plot here.")] = None,
@@ -133,10 +141,17 @@ def bench(
     option: Annotated[
         list[str], typer.Option("--set", help="Bench-specific KEY=VALUE (e.g. lengths=512,1024).")
     ] = [],
-    upstream: Annotated[Optional[str], typer.Option(help="A running vLLM server (ordering, proxy, skillcache); else one is started.")] = None,
-    trace: Annotated[Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")] = None,
+    upstream: Annotated[
+        Optional[str], typer.Option(help="A running vLLM server (ordering, proxy, skillcache); else one is started.")
+    ] = None,
+    trace: Annotated[
+        Optional[Path], typer.Option(help="Replay this request trace (JSONL) instead of generating one.")
+    ] = None,
     write_trace: Annotated[Optional[Path], typer.Option(help="Save the generated request stream here.")] = None,
-    skills: Annotated[Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills, skillcache).")] = None,
+    skills: Annotated[
+        Optional[Path], typer.Option(help="A skills folder laid out like ../shared/data/skills (bench skills, "
+                                          "skillcache).")
+    ] = None,
 ) -> None:
     """Run a benchmark: prints a table, writes {bench, config, rows, summary} JSON."""
     _need_local("bench")
@@ -161,17 +176,53 @@ def proxy(
     port: Annotated[Optional[int], typer.Option(help="Port to listen on.")] = None,
     timeout_s: Annotated[Optional[float], typer.Option(help="Upstream deadline (seconds) before a 504.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Upstream KV block size (vLLM: 16 GPU, 32 CPU).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model whose tokenizer renders documents (the upstream's).")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="JSON file of settings (flags and CONTEXTKIT_PROXY_* env win).")] = None,
-    api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes from the key.")] = None,
-    allow_client_tenant: Annotated[Optional[bool], typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = None,
-    upstream_api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY", help="Key sent to the vLLM servers (started with --api-key).")] = None,
-    rate_limit: Annotated[Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: none, as vLLM); 429 past it, before the body is read. 0: no limit.")] = None,
-    kv_connector: Annotated[Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: contextkit (span reuse with recompute inside vLLM, contextkit.reuse = {} for the calibrated default), cacheblend (LMCache's, {\"policy\": \"kv_deviation\"}), none.")] = None,
-    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer from any address; required for /metrics when clients need keys (without keys /metrics answers loopback only). Prefer the environment variable: a flag shows in ps.")] = None,
-    upstream_events: Annotated[list[str], typer.Option(help="Where each --upstream publishes its KV events (vLLM's --kv-events-config), same order: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT], or none.")] = [],
-    route_slack: Annotated[Optional[int], typer.Option(help="Requests in flight above the least loaded upstream past which an upstream's cache no longer attracts requests (default 4).")] = None,
-    session_affinity: Annotated[Optional[bool], typer.Option("--session-affinity/--no-session-affinity", help="A conversation cached nowhere goes to its own upstream (rendezvous hash), not the least loaded (default on).")] = None,
+    model: Annotated[
+        Optional[str], typer.Option(help="Model whose tokenizer renders documents (the upstream's).")
+    ] = None,
+    config: Annotated[
+        Optional[Path], typer.Option(help="JSON file of settings (flags and CONTEXTKIT_PROXY_* env win).")
+    ] = None,
+    api_keys_file: Annotated[
+        Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes "
+                                          "from the key.")
+    ] = None,
+    allow_client_tenant: Annotated[
+        Optional[bool], typer.Option("--allow-client-tenant",
+                                     help="Let a key choose sub-tenants of its own (contextkit.tenant).")
+    ] = None,
+    upstream_api_key: Annotated[
+        Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY",
+                                    help="Key sent to the vLLM servers (started with --api-key).")
+    ] = None,
+    rate_limit: Annotated[
+        Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: "
+                                         "none, as vLLM); 429 past it, before the body is read. 0: no limit.")
+    ] = None,
+    kv_connector: Annotated[
+        Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: "
+                                         "contextkit (span reuse with recompute inside vLLM, contextkit.reuse = {} "
+                                         "for the calibrated default), cacheblend (LMCache's, {\"policy\": "
+                                         "\"kv_deviation\"}), none.")
+    ] = None,
+    metrics_key: Annotated[
+        Optional[str], typer.Option(envvar="CONTEXTKIT_PROXY_METRICS_KEY",
+                                    help="Key (16+ characters) that /metrics takes as Bearer from any address; "
+                                         "required for /metrics when clients need keys (without keys /metrics answers "
+                                         "loopback only). Prefer the environment variable: a flag shows in ps.")
+    ] = None,
+    upstream_events: Annotated[
+        list[str], typer.Option(help="Where each --upstream publishes its KV events (vLLM's --kv-events-config), same "
+                                     "order: tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT], or none.")
+    ] = [],
+    route_slack: Annotated[
+        Optional[int], typer.Option(help="Requests in flight above the least loaded upstream past which an upstream's "
+                                         "cache no longer attracts requests (default 4).")
+    ] = None,
+    session_affinity: Annotated[
+        Optional[bool], typer.Option("--session-affinity/--no-session-affinity",
+                                     help="A conversation cached nowhere goes to its own upstream (rendezvous hash), "
+                                          "not the least loaded (default on).")
+    ] = None,
 ) -> None:
     """OpenAI-compatible proxy in front of vLLM: pass-through, plus cache-aware document ordering and routing."""
     from pydantic import ValidationError
@@ -201,7 +252,8 @@ def proxy(
     except (ValidationError, ValueError) as exc:
         errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": str(exc)}]
         where = ".".join(str(x) for x in errors[0]["loc"]) or "settings"
-        hint = " (pass --upstream URL, or set CONTEXTKIT_PROXY_UPSTREAMS='[\"http://...\"]')" if where == "upstreams" else ""
+        hint = (" (pass --upstream URL, or set CONTEXTKIT_PROXY_UPSTREAMS='[\"http://...\"]')"
+                if where == "upstreams" else "")
         _fail(f"{where}: {errors[0]['msg']}{hint}")
     try:
         serve(settings)
@@ -211,9 +263,13 @@ def proxy(
 
 @app.command()
 def connector(
-    backend: Annotated[str, typer.Option(help="contextkit (our KV connector) or cacheblend (LMCache's CacheBlend, GPU).")] = "contextkit",
+    backend: Annotated[
+        str, typer.Option(help="contextkit (our KV connector) or cacheblend (LMCache's CacheBlend, GPU).")
+    ] = "contextkit",
     disk_dir: Annotated[Optional[Path], typer.Option(help="contextkit: a disk tier (survives restarts).")] = None,
-    remote_url: Annotated[Optional[str], typer.Option(help="redis://host:port or lm://host:port, shared by servers.")] = None,
+    remote_url: Annotated[
+        Optional[str], typer.Option(help="redis://host:port or lm://host:port, shared by servers.")
+    ] = None,
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
     ratio: Annotated[float, typer.Option(help="cacheblend: share of reused tokens recomputed.")] = 0.15,
     out: Annotated[Optional[Path], typer.Option(help="cacheblend: where to write LMCache's YAML.")] = None,
@@ -261,19 +317,51 @@ def serve_cmd(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     model: ModelOpt = "smollm2-135m-instruct",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bfloat16 on CPUs with AVX512-BF16/AMX, else float32), float32 or bfloat16.")
+    ] = "auto",
     threads: Optional[int] = None,
-    calibration: Annotated[Optional[Path], typer.Option(help="The calibration profile that resolves fidelity budgets (default: the one `contextkit calibrate` wrote beside the model).")] = None,
+    calibration: Annotated[
+        Optional[Path], typer.Option(help="The calibration profile that resolves fidelity budgets (default: the one "
+                                          "`contextkit calibrate` wrote beside the model).")
+    ] = None,
     served_model_name: Annotated[str, typer.Option(help="The model id clients send.")] = "contextkit",
-    kv_disk_dir: Annotated[Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")] = None,
-    kv_remote_url: Annotated[Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")] = None,
-    kv_encrypt: Annotated[bool, typer.Option("--kv-encrypt", help="Encrypt span KV in the disk and remote tiers (AES-256-GCM, key from the secret).")] = False,
-    api_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY", help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")] = None,
-    api_keys_file: Annotated[Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")] = None,
-    allow_client_tenant: Annotated[bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")] = False,
-    rate_limit: Annotated[str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body is read. 0: no limit.")] = "10/20",
-    metrics_key: Annotated[Optional[str], typer.Option(envvar="CONTEXTKIT_METRICS_KEY", help="Key (16+ characters) that /metrics takes as Bearer; required for /metrics when clients need keys (without keys /metrics answers loopback only). Prefer the environment variable: a flag shows in ps.")] = None,
-    compile_idle: Annotated[bool, typer.Option("--compile-idle/--no-compile-idle", help="Compile documents requests computed in context into position-free spans while the engine is idle (reused at any position later); off: they are reused exactly after the same prefix and otherwise from the KV their first request computed.")] = True,
+    kv_disk_dir: Annotated[
+        Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")
+    ] = None,
+    kv_remote_url: Annotated[
+        Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")
+    ] = None,
+    kv_encrypt: Annotated[
+        bool, typer.Option("--kv-encrypt",
+                           help="Encrypt span KV in the disk and remote tiers (AES-256-GCM, key from the secret).")
+    ] = False,
+    api_key: Annotated[
+        Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY",
+                                    help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")
+    ] = None,
+    api_keys_file: Annotated[
+        Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")
+    ] = None,
+    allow_client_tenant: Annotated[
+        bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")
+    ] = False,
+    rate_limit: Annotated[
+        str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before "
+                               "the body is read. 0: no limit.")
+    ] = "10/20",
+    metrics_key: Annotated[
+        Optional[str], typer.Option(envvar="CONTEXTKIT_METRICS_KEY",
+                                    help="Key (16+ characters) that /metrics takes as Bearer; required for /metrics "
+                                         "when clients need keys (without keys /metrics answers loopback only). "
+                                         "Prefer the environment variable: a flag shows in ps.")
+    ] = None,
+    compile_idle: Annotated[
+        bool, typer.Option("--compile-idle/--no-compile-idle",
+                           help="Compile documents requests computed in context into position-free spans while the "
+                                "engine is idle (reused at any position later); off: they are reused exactly after "
+                                "the same prefix and otherwise from the KV their first request computed.")
+    ] = True,
 ) -> None:
     """OpenAI-compatible server on the built-in engine; chat `documents` are reused as position-free spans."""
     _need_local("serve")
@@ -289,8 +377,10 @@ def serve_cmd(
     from contextkit.kit import ContextKit
 
     try:
-        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads, calibration=calibration,
-                                  kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url, encrypt=kv_encrypt))
+        config = ContextKitConfig(model=model, cache_dir=cache_dir, dtype=dtype, threads=threads,
+                                  calibration=calibration,
+                                  kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url,
+                                                        encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
         tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
         limits = ServeLimits(rate=RateLimit.parse(rate_limit), compile_idle=compile_idle)

@@ -37,7 +37,8 @@ def models_list(cache_dir: CacheOpt = DEFAULT_CACHE_DIR) -> None:
 
 def _calibrated(model_dir: str) -> str:
     """The dtypes a calibration profile beside the model was made for (``contextkit calibrate``)."""
-    found = sorted(p.stem.removeprefix("contextkit-calibration-") for p in Path(model_dir).glob("contextkit-calibration-*.json")) \
+    found = sorted(p.stem.removeprefix("contextkit-calibration-")
+                   for p in Path(model_dir).glob("contextkit-calibration-*.json")) \
         if model_dir != "-" else []
     return ", ".join(found) or "-"
 
@@ -64,15 +65,27 @@ def models_prepare(
 @app.command()
 def calibrate(
     model: ModelOpt = "smollm2-135m-instruct",
-    data: Annotated[Optional[Path], typer.Option(help="QA JSONL in the shape of multihop_dev.jsonl (default: the shared dev file's tune half).")] = None,
-    n: Annotated[int, typer.Option(help="Questions per length band (more: a tighter bound on each setting; at least 9 at the default quantile 0.9).")] = 24,
+    data: Annotated[
+        Optional[Path], typer.Option(help="QA JSONL in the shape of multihop_dev.jsonl (default: the shared dev "
+                                          "file's tune half).")
+    ] = None,
+    n: Annotated[
+        int, typer.Option(help="Questions per length band (more: a tighter bound on each setting; at least 9 at the "
+                               "default quantile 0.9).")
+    ] = 24,
     dtype: Annotated[str, typer.Option(help="The engine dtype to calibrate: auto, float32 or bfloat16.")] = "auto",
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
-    out_path: Annotated[Optional[Path], typer.Option("--out", help="Write the profile here (default: beside the model).")] = None,
+    out_path: Annotated[
+        Optional[Path], typer.Option("--out", help="Write the profile here (default: beside the model).")
+    ] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the measured table here.")] = None,
     threads: Optional[int] = None,
     seed: int = 0,
-    option: Annotated[list[str], typer.Option("--set", help="bands=, ratios=, quantile=, answer_tokens=, split= (see contextkit.bench.calibrate).")] = [],
+    option: Annotated[
+        list[str], typer.Option("--set",
+                                help="bands=, ratios=, quantile=, answer_tokens=, split= (see "
+                                     "contextkit.bench.calibrate).")
+    ] = [],
 ) -> None:
     """Measure each recompute setting's answer KL per length band and write the model's calibration profile."""
     _need_local("calibrate")

@@ -91,7 +91,8 @@ class RequestPlan:
             if any(not 0 <= d < i for d in item.depends_on):
                 raise ConfigError(f"item {i} depends on {item.depends_on}; it may depend only on earlier items")
             if (item.depends_on or item.anchor) and not item.reuse:
-                raise ConfigError(f"item {i} is computed in context anyway; depends_on and anchor apply to reused spans")
+                raise ConfigError(f"item {i} is computed in context anyway; "
+                                  "depends_on and anchor apply to reused spans")
         if self.items[-1].reuse:
             raise ConfigError("the last item must be the query (reuse=False): its logits start the answer")
 

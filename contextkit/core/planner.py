@@ -341,7 +341,8 @@ class Planner:
             items = (
                 *_turns(head_pieces, query=False),
                 # a skill sits at one canonical place: anchored, it becomes an exact prefix there
-                *(PlanItem(Span(b, "skill", (f"{s.name}@{s.version}" if s.version else s.name) + (":erratum" if e else "")),
+                *(PlanItem(Span(b, "skill",
+                                (f"{s.name}@{s.version}" if s.version else s.name) + (":erratum" if e else "")),
                            reuse=not e, anchor=not e) for b, (_, s, e) in zip(pre, pre_items)),
                 *((PlanItem(Span(pre[-1], "system")),) if middle else ()),
                 *(PlanItem(Span(b, "document", docs[i].id)) for b, i in zip(blocks, order)),

@@ -97,7 +97,8 @@ def render_pieces(
 
     With documents they go at the start of the last user message (``documents_at="first"``: the first
     one, so later turns follow them, the layout of a multi-turn session whose documents stay in place),
-    which becomes ``Question: <content>``; every other turn is kept as it is. Without documents the chat is rendered as it is (the suffix is
+    which becomes ``Question: <content>``; every other turn is kept as it is. Without documents the chat
+    is rendered as it is (the suffix is
     empty), the tokens the model's own chat template gives.
 
     With skills, they go at the end of the system message (one is added if the chat has none), after

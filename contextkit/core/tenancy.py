@@ -100,7 +100,8 @@ def load_api_keys(file: Path | str | None = None, keys: Mapping[str, str] | None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read API keys from {file}: {exc}; it must be a JSON object "
                               "{\"<key>\": \"<tenant>\", ...}") from exc
-        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in loaded.items()):
             raise ConfigError(f"{file} must be a JSON object of strings {{\"<key>\": \"<tenant>\", ...}}")
         out.update(loaded)
     out.update(keys or {})
@@ -124,7 +125,8 @@ class Tenancy:
                  sub_tenant_ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         if max_sub_tenants < 1 or sub_tenant_ttl_s <= 0:
             raise ConfigError(f"max_sub_tenants ({max_sub_tenants}) must be >= 1 and sub_tenant_ttl_s "
-                              f"({sub_tenant_ttl_s}) > 0; to refuse client-chosen tenants leave allow_client_tenant off")
+                              f"({sub_tenant_ttl_s}) > 0; to refuse client-chosen tenants "
+                              "leave allow_client_tenant off")
         self._keys: dict[bytes, Tenant] = {}
         for key, name in (api_keys or {}).items():
             if len(key) < 8:
@@ -193,7 +195,8 @@ class Tenancy:
         """Mark ``sub`` as in use by its key; refuse (429) a new one past ``max_sub_tenants`` in use."""
         seen = self._subs.get(key_tenant.name)
         if seen is None:  # resolve() is for the tenant authenticate() returned, never a sub-tenant
-            raise PermissionDeniedError(f"tenant {key_tenant.name[:40]!r} is no API key's tenant: it has no sub-tenants")
+            raise PermissionDeniedError(f"tenant {key_tenant.name[:40]!r} is no API key's tenant: "
+                                        "it has no sub-tenants")
         with self._lock:
             seen.expire()
             if sub.name not in seen and len(seen) >= self.max_sub_tenants:

@@ -139,7 +139,8 @@ class Team:
         (re-positioned, recomputed per ``reuse``: default policy), then ``tail``; generates the answer."""
         return self._join(head, tail, reuse or ReuseOptions(), max_tokens, label)
 
-    def join_text(self, head: str, tail: str = "\n\nAnswer:", max_tokens: int = 64, label: str = "\nNote {i}:") -> Answer:
+    def join_text(self, head: str, tail: str = "\n\nAnswer:", max_tokens: int = 64,
+                  label: str = "\nNote {i}:") -> Answer:
         """The same synthesizer prompt with the branches' text prefilled in full (the baseline)."""
         return self._join(head, tail, None, max_tokens, label)
 

@@ -21,7 +21,8 @@ REF = "#/components/schemas/{model}"
 CLIENT_ERRORS = {"400": "malformed JSON", "401": "no or unknown API key", "403": "a tenant the key may not use",
                  "413": "body or prompt too large", "422": "a field out of range or of the wrong type",
                  "429": "the tenant is over its request rate, or (serve) the engine queue is full (Retry-After)"}
-UPSTREAM_ERRORS = {"502": "the upstream failed", "503": "no healthy upstream", "504": "the upstream or the deadline timed out"}
+UPSTREAM_ERRORS = {"502": "the upstream failed", "503": "no healthy upstream",
+                   "504": "the upstream or the deadline timed out"}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -32,7 +33,8 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 def responses(errors: dict[str, str]) -> dict:
     out = {"200": {"description": "OK (application/json, or text/event-stream with stream: true)"}}
     for status, what in errors.items():
-        out[status] = {"description": what, "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
+        out[status] = {"description": what,
+                       "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
     return out
 
 
@@ -71,7 +73,8 @@ def openapi_schema(server: Literal["serve", "proxy"] = "serve") -> dict:
         paths["/tokenize"] = {"post": {
             "summary": "token ids of a prompt", "security": [{"bearer": []}],
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                "type": "object", "properties": {"prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}}}}},
+                "type": "object",
+                "properties": {"prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}}}}},
             "responses": responses({k: v for k, v in errors.items() if k in ("400", "401", "413", "422", "429")})}}
     return {"openapi": "3.1.0",
             "info": {"title": f"contextkit {server}", "version": "1",

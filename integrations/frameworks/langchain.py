@@ -29,7 +29,8 @@ try:
     from langchain_core.retrievers import BaseRetriever
     from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 except ImportError as exc:  # pragma: no cover - exercised by a test in a subprocess
-    raise ImportError("contextkit.integrations.frameworks.langchain needs langchain-core: pip install 'contextkit[langchain]'") from exc
+    raise ImportError("contextkit.integrations.frameworks.langchain needs langchain-core: "
+                      "pip install 'contextkit[langchain]'") from exc
 
 from contextkit.core.errors import InputError
 from contextkit.core.tenant import Tenant
@@ -65,7 +66,8 @@ def to_messages(messages: Sequence[BaseMessage]) -> list[Message]:
         if role is None:
             raise InputError(f"a {m.type!r} message has no chat role contextkit knows ({sorted(ROLE)})", "messages")
         content = m.content if isinstance(m.content, str) else "".join(
-            p if isinstance(p, str) else p.get("text", "") for p in m.content if isinstance(p, str) or p.get("type") == "text")
+            p if isinstance(p, str) else p.get("text", "")
+            for p in m.content if isinstance(p, str) or p.get("type") == "text")
         out.append(Message(role, content))
     return out
 

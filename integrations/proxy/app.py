@@ -92,7 +92,8 @@ class ProxyMetrics(ServerMetrics):
         self.reorders = Counter("contextkit_proxy_reorder_decisions", "documents requests reordered or kept",
                                 ("decision",), registry=self.registry)
         self.stripped = Counter("contextkit_proxy_stripped_fields", "client body fields removed before "
-                                "forwarding (they would reach vLLM's KV connectors)", ("field",), registry=self.registry)
+                                "forwarding (they would reach vLLM's KV connectors)", ("field",),
+                                registry=self.registry)
         self.searches = Counter("contextkit_proxy_event_order_searches", "documents requests ordered by the fleet's "
                                 "KV events, by outcome (found, none, cut: a limit ended the search)", ("outcome",),
                                 registry=self.registry)
@@ -132,7 +133,8 @@ class PoolCollector:
         blocks = GaugeMetricFamily("contextkit_proxy_upstream_indexed_blocks", "blocks its KV events say it holds",
                                    labels=["upstream"])
         events = CounterMetricFamily("contextkit_proxy_kv_events", "its KV event feed: batches, gaps, replays, "
-                                     "restarts, malformed, blocks stored/removed/refused...", labels=["upstream", "kind"])
+                                     "restarts, malformed, blocks stored/removed/refused...",
+                                     labels=["upstream", "kind"])
         for i, u in enumerate(self.pool.upstreams):
             healthy.add_metric([u.url], int(u.healthy))
             inflight.add_metric([u.url], u.inflight)

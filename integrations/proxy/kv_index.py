@@ -105,7 +105,8 @@ class BlockIndex:
         keys = []
         try:  # all keyed before any is kept: a bad block refuses the whole event
             for i in range(n):
-                key = block_key(key, token_ids[i * block_size : (i + 1) * block_size], extra_keys[i] if extra_keys else None)
+                key = block_key(key, token_ids[i * block_size : (i + 1) * block_size],
+                                extra_keys[i] if extra_keys else None)
                 keys.append(key)
         except (OverflowError, TypeError, ValueError):  # a token id that is no int64, extra keys of odd types
             self.counts["refused"] += 1

@@ -43,7 +43,8 @@ def _proxy_paths(paths: dict, errors: dict[str, str]) -> None:
             continue
         if route.method == "GET":
             paths[route.path] = {"get": {"summary": "the upstream's", "security": [{"bearer": []}],
-                                         "responses": responses({k: errors[k] for k in ("401", "429", *UPSTREAM_ERRORS)})}}
+                                         "responses": responses({k: errors[k]
+                                                                 for k in ("401", "429", *UPSTREAM_ERRORS)})}}
             continue
         shape = RELAYED[route.path]
         body = {"type": "object", "required": shape["required"], "properties": {**_BOUNDARY, **shape["properties"]}}

@@ -219,7 +219,8 @@ class Upstreams:
             out += echo_id(t)
             out.append(proxy_ms(t))
             if routed is not None:
-                out += [(b"x-contextkit-upstream", u.name.encode()), (b"x-contextkit-route", routed.choice.rule.encode())]
+                out += [(b"x-contextkit-upstream", u.name.encode()),
+                        (b"x-contextkit-route", routed.choice.rule.encode())]
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return await self.relay(u, resp, receive, send, out, t)
             try:

@@ -113,7 +113,8 @@ class Router:
         self.upstreams = list(upstreams)
         self._position = {id(u): i for i, u in enumerate(self.upstreams)}
         self.block_size = settings.block_size
-        self.stale_s, self.slack, self.affinity = settings.events_stale_s, settings.route_slack, settings.session_affinity
+        self.stale_s, self.slack, self.affinity = (settings.events_stale_s, settings.route_slack,
+                                                   settings.session_affinity)
         self.load_weight = settings.route_load_weight
         self.clock = clock
         self.fleet = FleetIndex()

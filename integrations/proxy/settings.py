@@ -24,7 +24,8 @@ class ProxySettings(BaseSettings):
     model: str = "smollm2-135m-instruct"  # tokenizer used to render documents; must be the upstream's
     cache_dir: Path = Path("~/.cache/contextkit")
     health_interval_s: float = 5.0
-    max_body_bytes: int = 8 << 20  # 413 past it; a 1M-token context is ~4 MiB of text, ~7 MiB as token ids (serve's too)
+    # 413 past it; a 1M-token context is ~4 MiB of text, ~7 MiB as token ids (serve's too)
+    max_body_bytes: int = 8 << 20
     # JSON values in a body at most, counted as its commas before it is parsed (413 past it): parsing holds
     # the interpreter (~0.3 s for the 1M token ids 8 MiB holds), every relayed stream waiting. None: one
     # context of token ids (the largest upstream's max_model_len, else 262,144) + 65,536 for the rest
@@ -46,8 +47,8 @@ class ProxySettings(BaseSettings):
     rate_burst: int = Field(0, ge=0)  # requests a quiet tenant may send at once; 0: twice the rate
     # the KV connector the upstreams run, which documents requests may opt in to (contextkit.reuse):
     # "contextkit" (integrations/vllm_connector: span reuse, {"policy": "none"}), "cacheblend" (LMCache's
-    # CacheBlend, integrations/vllm_connector/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by its separator),
-    # "none": no opt-in, prompts only
+    # CacheBlend, integrations/vllm_connector/cacheblend.py: {"policy": "kv_deviation"}, prompts joined by
+    # its separator), "none": no opt-in, prompts only
     kv_connector: str = "none"  # one of reuse_paths.PATHS (checked below)
     cacheblend_separator: str = " # # "  # LMCache's blend_special_str on the upstreams (CacheBlendConfig)
     span_compiles: int = Field(2, ge=1)  # span compiles running at once (each a prefill on an upstream)

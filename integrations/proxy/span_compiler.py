@@ -157,7 +157,8 @@ class SpanCompiler:
         self.compiled = 0
         self.failed = 0
         self.dropped = PromCounter("contextkit_proxy_span_compiles_dropped", "span compiles not scheduled: the "
-                                   "backlog was full, or the tenant had its share of it", ("reason",), registry=registry)
+                                   "backlog was full, or the tenant had its share of it", ("reason",),
+                                   registry=registry)
 
     @staticmethod
     def _key(url: str, salt: str, ids) -> tuple[str, str, str]:

@@ -78,7 +78,8 @@ class ServeLimits:
     compile_idle: bool = True
 
     def __post_init__(self) -> None:
-        if min(self.max_queue, self.max_queue_per_tenant, self.max_active, self.max_body_bytes) < 1 or self.deadline_s <= 0:
+        if min(self.max_queue, self.max_queue_per_tenant, self.max_active,
+               self.max_body_bytes) < 1 or self.deadline_s <= 0:
             raise ConfigError("serve limits must be positive")
 
 

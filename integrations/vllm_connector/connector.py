@@ -24,7 +24,8 @@ vLLM is idle or a bounded share of the time while it serves (``pacing``), so nei
 the saving itself holds a step.
 
 Faults: a store that is down or slow answers a miss within ``timeout_s`` per step, all calls together:
-one batched lookup per request, one batched fetch per worker step (``lookup``), so vLLM computes; an entry that is gone, fails its MAC or checksum, or whose geometry or token ids do not
+one batched lookup per request, one batched fetch per worker step (``lookup``), so vLLM computes;
+an entry that is gone, fails its MAC or checksum, or whose geometry or token ids do not
 match is not loaded, is counted, and its blocks are reported to vLLM, which recomputes them
 (``kv_load_failure_policy: recompute``). A crash mid-save leaves no entry that loads: LMCache writes
 whole values (Redis SET, the disk tier's temp file + rename) and every entry carries a MAC.

@@ -102,7 +102,8 @@ class Lookup:
         if first >= last:
             return ()
         out = []
-        for i, hit in zip(range(first, last), self.store.contains_many(keys[first:last], deadline=self._step_deadline())):
+        for i, hit in zip(range(first, last),
+                          self.store.contains_many(keys[first:last], deadline=self._step_deadline())):
             if not hit:
                 break
             out.append(Piece(keys[i], 0, bs, i * bs, tuple(st.ids[i * bs : (i + 1) * bs])))

@@ -167,7 +167,8 @@ class PagedKV:
                 out[li, :n].copy_(cache[:, idx].transpose(0, 1))
         return out[:, :n]
 
-    def unstage(self, tiles: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def unstage(self, tiles: torch.Tensor, rows: torch.Tensor, start: int,
+                end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``(layers, kv_heads, end - start, head_size)`` of tokens ``[start, end)`` of the staged
         blocks ``rows`` (a request's consecutive blocks: token 0 is the first one's first token), each a
         copy with storage of its own.

@@ -42,7 +42,8 @@ class ConnectorScheduler:
                  pic_loads: bool, step_tokens: int, profile: CalibrationProfile | None = None,
                  repair_refused: str | None = None):
         self.block_size = geometry.block_size
-        self.budgets = Budgets(profile)  # resolves policy="budget" of repaired requests (no profile: the built-in default)
+        # resolves policy="budget" of repaired requests (no profile: the built-in default)
+        self.budgets = Budgets(profile)
         # why this server's worker cannot repair (connector._repair_refused): recompute requests then load
         # nothing (a full prefill of the span region), never unrepaired KV they did not ask for
         self.repair_refused = repair_refused

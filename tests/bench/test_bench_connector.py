@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
     trace, out = tmp_path / "trace.jsonl", tmp_path / "connector.json"
     write_trace(trace_requests(2), trace)
-    proc = cli("bench", "connector", "--trace", str(trace), "--n", "3", "--json", str(out), "--set", f"redis={redis_url}",
-               timeout=1200)
+    proc = cli("bench", "connector", "--trace", str(trace), "--n", "3", "--json", str(out),
+               "--set", f"redis={redis_url}", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["row"]: r for r in result["rows"]}
@@ -34,7 +34,8 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
         assert s[key] is not None and s[key] > 0, key
     assert 0 <= s["pic_top1_agreement"] <= 1
     assert isinstance(s["restart_load_ms_p50"], float)
-    assert len(s["saving_vs_prefix_pairs"]) == 2 and s["saving_vs_prefix"] > 0  # a difference of latencies: its sign is not asserted
+    # a difference of latencies: its sign is not asserted
+    assert len(s["saving_vs_prefix_pairs"]) == 2 and s["saving_vs_prefix"] > 0
     # saves wait for turns (the server idle, or a share of the time), but they all arrive: nothing dropped
     assert s["saved_share_before_restart"] == 1.0 and s["span_saved_share"] == 1.0
     # the recompute rows: spans loaded and repaired in vLLM's worker, each repair counted, none failed;

@@ -23,7 +23,8 @@ def test_bench_engine_writes_json_and_plot(tmp_path, smol_dir, cli):
     assert s["prefill_ratio_vs_transformers"] > 0 and s["decode_ratio_vs_transformers"] > 0
     assert 0 <= s["bf16_kl_vs_fp32_p50"] < 1.0
     rows = result["rows"]
-    assert {(r["impl"], r["dtype"], r["tokens"]) for r in rows} >= {("engine", "float32", 128), ("transformers", "bfloat16", 64)}
+    assert {(r["impl"], r["dtype"], r["tokens"]) for r in rows} >= {("engine", "float32", 128),
+                                                                    ("transformers", "bfloat16", 64)}
     assert sum(r["default"] for r in rows) == 1
     assert all(r["prefill_ms_p50"] > 0 for r in rows)
     assert png.stat().st_size > 1000

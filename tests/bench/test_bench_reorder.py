@@ -30,7 +30,8 @@ def test_bench_reorder_small_run(tmp_path, cli, trace_requests):
     # greedy answer is decoded a token at a time, teacher forcing runs it in one bf16 forward)
     assert ref["answer_kl_p90"] < 1e-6 and ref["answer_changed_share"] == 0 and ref["gold_logprob_delta"] is None
     # reordering moves tokens, it adds none; a hint line adds some, only after the documents
-    assert rows["weaver"]["prompt_tokens_p50"] == ref["prompt_tokens_p50"] == rows["retrieval (float32)"]["prompt_tokens_p50"]
+    assert (rows["weaver"]["prompt_tokens_p50"] == ref["prompt_tokens_p50"]
+            == rows["retrieval (float32)"]["prompt_tokens_p50"])
     for arm in ("weaver + titles hint", "weaver + positions hint", "retrieval + titles line"):
         assert rows[arm]["prompt_tokens_p50"] > ref["prompt_tokens_p50"]
     for arm in rows.values():

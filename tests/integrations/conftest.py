@@ -20,7 +20,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
     def _forward(self):
         body = self.rfile.read(int(self.headers.get("content-length", 0)))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length", "connection")}
-        with httpx.stream(self.command, type(self).upstream + self.path, content=body, headers=headers, timeout=120) as r:
+        with httpx.stream(self.command, type(self).upstream + self.path, content=body, headers=headers,
+                          timeout=120) as r:
             raw = b"".join(r.iter_raw())
         if (self.command, self.path) != ("GET", "/health"):
             # the proxy's own health probes (every ``health_interval_s``) carry nothing of a client's and land at

@@ -223,7 +223,8 @@ def test_remote_down_at_start_killed_mid_run_and_back(make, mac, key, entry, sam
     port = free_port()
     # retry_after_s=0: a down tier probes on every call, so each step below sees the server as it is now
     # (no waiting out a back-off window between the steps)
-    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.0, mac_key=mac))
+    tier = LMCacheTier(LMCacheTierConfig("remote", remote_url=make(port).url, timeout_s=2, retry_after_s=0.0,
+                                         mac_key=mac))
     try:
         k = key("remote")
         e = entry(k, 50)

@@ -1,6 +1,7 @@
-"""`ordering.event_order`, the event-driven orderer, and its bounds (issue 46): a 300-document request the fleet holds in another order
-is found with two plans and one block hash per candidate, not k(k+1)/2 plans; a limit or the deadline ends
-the search with the deepest order found so far, or none (the Weaver's order then stands)."""
+"""`ordering.event_order`, the event-driven orderer, and its bounds (issue 46): a 300-document request
+the fleet holds in another order is found with two plans and one block hash per candidate, not k(k+1)/2
+plans; a limit or the deadline ends the search with the deepest order found so far, or none (the Weaver's
+order then stands)."""
 
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def test_a_session_over_the_proxy_hits_vllms_prefix_cache_and_skips_known_docume
     assert second.report.prompt_tokens > first.report.prompt_tokens
     # vLLM's own count: turn 2 found turn 1's head and documents in its prefix cache (whole 32-token blocks)
     t1 = Planner(Tokenizer(smol_dir)).plan(ChatRequest((Message("user", question),),
-                                                       tuple(Evidence(p["text"], id=p["id"], title=p["title"]) for p in passages[:3]),
+                                                       tuple(Evidence(p["text"], id=p["id"], title=p["title"])
+                                                             for p in passages[:3]),
                                                        ordering="retrieval", documents_at="first"))
     assert t1.num_tokens == first.prompt_tokens
     docs_end = sum(len(it.span.token_ids) for it in t1.items if it.span.kind != "query")

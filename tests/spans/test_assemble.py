@@ -142,7 +142,8 @@ def test_block_alignment_pads_without_changing_the_result(smol):
 def test_separators_and_last_span_recompute(smol):
     _, tok, cache, items, full, _ = smol
     sep = tuple(tok.encode("\n"))
-    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0, separator=sep, recompute_last_span=True)))
+    got = cache.assemble(RequestPlan(items, ReuseOptions(policy="none", first_k=0, separator=sep,
+                                                         recompute_last_span=True)))
     r = got.report
     assert r.prefilled_tokens == len(items[-1].span.token_ids) + len(sep) * (len(items) - 2)
     assert r.recomputed_tokens == len(items[-2].span.token_ids)
@@ -262,8 +263,10 @@ def test_default_adds_span_starts_to_the_policy_choice(smol):
 
 def test_max_recompute_caps_the_ratio(smol):
     _, _, cache, items, _, _ = smol
-    free = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0, max_recompute=None))).report
-    capped = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0, max_recompute=7))).report
+    free = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0,
+                                                          max_recompute=None))).report
+    capped = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", ratio=0.5, first_k=0,
+                                                            max_recompute=7))).report
     assert free.recomputed_tokens > 7 and capped.recomputed_tokens == 7
     with pytest.raises(ConfigError, match="max_recompute"):
         ReuseOptions(policy="query_attention", max_recompute=-1)
@@ -276,8 +279,10 @@ def test_a_shallow_probe_still_ranks_and_stops_early(smol, monkeypatch):
     import contextkit.spans.recompute as rc
 
     original = rc._AttentionMass.observe
-    monkeypatch.setattr(rc._AttentionMass, "observe", lambda self, layer, *a: (seen.append(layer), original(self, layer, *a)))
-    shallow = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", probe_layers=3, first_k=0))).report
+    monkeypatch.setattr(rc._AttentionMass, "observe",
+                        lambda self, layer, *a: (seen.append(layer), original(self, layer, *a)))
+    shallow = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", probe_layers=3,
+                                                             first_k=0))).report
     assert seen == [0, 1, 2]
     seen.clear()
     deep = cache.assemble(RequestPlan(items, ReuseOptions(policy="query_attention", probe_layers=0, first_k=0))).report

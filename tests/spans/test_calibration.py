@@ -276,7 +276,8 @@ def test_the_assembler_resolves_the_budget_and_reports_which_profile_chose(assem
     profile = dataclasses.replace(_profile((band,)), model_digest=engine.fingerprint.digest)
     cal = SpanCache(engine, store=plain.store, tokenizer_fingerprint=tok.fingerprint, profile=profile)
     r = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.05))).report
-    assert (r.policy, r.ratio, r.profile, r.band, r.fidelity_budget) == ("query_attention", 0.2, profile.id, "here", 0.05)
+    assert (r.policy, r.ratio, r.profile, r.band, r.fidelity_budget) == (
+        "query_attention", 0.2, profile.id, "here", 0.05)
     assert r.recomputed_tokens > 0
     exact = cal.assemble(dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.01))).report
     assert exact.policy == "full" and exact.reused_tokens == 0 and exact.profile == profile.id

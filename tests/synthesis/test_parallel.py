@@ -105,7 +105,8 @@ def test_join_reads_whole_transcripts_when_asked(kit):
     text, _, plan = join_text(f, head, tail, labels, transcripts=True)
     assert sum(len(it.span.token_ids) for it in plan.items) == len(head) + len(tail) + sum(
         len(x) for x in labels) + sum(len(x.prompt_ids) + len(x.token_ids) for x in f.branches)
-    exact, _, _ = join(f, head, tail, labels, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None), transcripts=True)
+    exact, _, _ = join(f, head, tail, labels, ReuseOptions(policy="query_attention", ratio=1.0, max_recompute=None),
+                       transcripts=True)
     assert (exact.logits - text.logits).abs().max().item() <= TOL
     fast, _, _ = join(f, head, tail, labels, transcripts=True)
     assert fast.report.reused_tokens > sum(len(x.prompt_ids) for x in f.branches) // 2

@@ -29,7 +29,8 @@ from contextkit.integrations.frameworks.llamaindex import (  # noqa: E402
 @pytest.fixture(scope="module")
 def nodes(repo):
     ex = json.loads((repo / "examples" / "question.json").read_text())
-    return ex["question"], [NodeWithScore(node=TextNode(text=d["text"], id_=f"n{i}", metadata={"title": d.get("title")}),
+    return ex["question"], [NodeWithScore(node=TextNode(text=d["text"], id_=f"n{i}",
+                                                        metadata={"title": d.get("title")}),
                                           score=1.0) for i, d in enumerate(ex["documents"])]
 
 

@@ -44,7 +44,8 @@ def fleet(vllm_url, vllm_events, fleet_vllm, config, app_thread):
     from contextkit.integrations.proxy.app import create_app
     from contextkit.integrations.proxy.settings import ProxySettings
 
-    settings = ProxySettings(upstreams=[vllm_url, fleet_vllm[0]], upstream_events=[",".join(vllm_events), fleet_vllm[1]],
+    settings = ProxySettings(upstreams=[vllm_url, fleet_vllm[0]],
+                             upstream_events=[",".join(vllm_events), fleet_vllm[1]],
                              cache_dir=config.cache_dir, timeout_s=120, secret=uuid.uuid4().hex,
                              api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"}, session_affinity=False,
                              metrics_key=METRICS_KEY[len("Bearer "):])
@@ -75,7 +76,8 @@ def cached(r: httpx.Response) -> int:
 def held(app, tenant: str, messages: list[dict]) -> dict[int, int]:
     """The leading blocks of this chat's prompt each upstream's events say it holds, for ``tenant``."""
     salt = app.tenancy.cache_salt(_tenant(app, tenant), None)
-    keys = render_keys("/v1/chat/completions", {"messages": messages}, app.planner().tokenizer, block_size=BS, salt=salt)
+    keys = render_keys("/v1/chat/completions", {"messages": messages}, app.planner().tokenizer, block_size=BS,
+                       salt=salt)
     return app.upstreams.router.held(keys)
 
 
@@ -136,7 +138,8 @@ def test_an_evicted_prefix_stops_attracting_requests(fleet, fleet_vllm, passage_
     # other prompts fill the small server's 64 blocks: vLLM evicts the conversation's and says so
     for k in range(4):
         filler = [7 + (k * 131 + i * 17) % 20000 for i in range(SMALL_BLOCKS * BS // 3)]
-        f = httpx.post(small + "/v1/completions", timeout=300, json={"model": "smol", "prompt": filler, "max_tokens": 1})
+        f = httpx.post(small + "/v1/completions", timeout=300,
+                       json={"model": "smol", "prompt": filler, "max_tokens": 1})
         assert f.status_code == 200, f.text
     view = app.upstreams.router.views[1]
     until(lambda: held(app, "a", messages).get(1, 0) == 0, what=lambda: f"{view.index.counts}")
@@ -201,7 +204,8 @@ def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fle
     proc, router_url = router_process([vllm_url, fleet_vllm[0]], policy="cache_aware", log_file=tmp_path / "router.log")
     try:
         settings = ProxySettings(upstreams=[router_url], cache_dir=config.cache_dir, timeout_s=120,
-                                 secret=uuid.uuid4().hex, api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"})
+                                 secret=uuid.uuid4().hex,
+                                 api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"})
         run = uuid.uuid4().hex[:6]
         docs = [{"id": f"{run}-{i}", "text": passage_text[i * 700 : (i + 1) * 700]} for i in range(4)]
         with app_thread(create_app(settings)) as p:

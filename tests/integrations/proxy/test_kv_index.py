@@ -97,7 +97,8 @@ def test_the_oldest_block_is_forgotten_first():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4), st.lists(st.integers(0, 1), min_size=BS, max_size=4 * BS),
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4),
+                          st.lists(st.integers(0, 1), min_size=BS, max_size=4 * BS),
                           st.sampled_from(["a", "b"])), min_size=1, max_size=30),
        st.data())
 def test_the_fleet_index_scores_every_server_as_its_own_index_does(events, data):

@@ -126,7 +126,8 @@ def test_documents_are_ordered_for_the_prefix_cache(clients):
 def test_bad_requests_get_openai_errors(proxy, clients):
     via, direct = clients
     model = direct.models.list().data[0].id
-    r = httpx.post(proxy.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(proxy.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     q = [{"role": "user", "content": "q"}]
     cases = [
@@ -143,7 +144,8 @@ def test_bad_requests_get_openai_errors(proxy, clients):
         with pytest.raises(openai.APIStatusError) as err:
             via.chat.completions.create(model=model, messages=q, max_tokens=4, extra_body=extra)
         assert err.value.status_code == status, extra
-        assert words in err.value.body["message"] if isinstance(err.value.body, dict) else words in str(err.value), extra
+        assert (words in err.value.body["message"] if isinstance(err.value.body, dict)
+                else words in str(err.value)), extra
     # found by the fuzz run (test_fuzz.py): an integer past 64 bits was vLLM's 500 (our 502), n=6318 choices
     # held vLLM past the timeout; a lone surrogate is refused here too (vLLM's 400 named a pydantic union)
     r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": model, "max_tokens": 2, "top_k": 2 ** 70,
@@ -223,7 +225,8 @@ def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config, a
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     try:
-        with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"], cache_dir=config.cache_dir))) as p:
+        with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{srv.server_port}"],
+                                                 cache_dir=config.cache_dir))) as p:
             with httpx.stream("POST", p.url + "/v1/chat/completions", json=q, timeout=30) as r:
                 events = [line for line in r.iter_lines() if line.startswith("data:")]
             assert r.status_code == 200 and '"Hel"' in events[0]  # what came before the failure arrived
@@ -237,7 +240,8 @@ def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(config, a
 
 def test_upstream_down_failing_and_slow(vllm_url, config, app_thread):
     q = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"], cache_dir=config.cache_dir))) as p:
+    with app_thread(create_app(ProxySettings(upstreams=[f"http://127.0.0.1:{free_port()}"],
+                                             cache_dir=config.cache_dir))) as p:
         r = httpx.post(p.url + "/v1/chat/completions", json=q, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(p.url + "/health").status_code == 503

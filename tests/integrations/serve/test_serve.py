@@ -46,7 +46,8 @@ def test_an_agent_loop_reuses_its_earlier_turns(served):
     first = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=8, temperature=0)
     assert not (first.model_extra or {}).get("contextkit")  # one turn, no documents: a plain prefill
     cached = []
-    for t, out in enumerate(["FAILED tests/test_io.py::test_read - 1 != 2", "def test_read():\n    assert read() == 2"]):
+    for t, out in enumerate(["FAILED tests/test_io.py::test_read - 1 != 2",
+                             "def test_read():\n    assert read() == 2"]):
         msgs += [{"role": "assistant", "content": f"step {t}: pytest -x"}, {"role": "tool", "content": out}]
         r = client.chat.completions.create(model="smol-local", messages=msgs, max_tokens=8, temperature=0,
                                            extra_body={"contextkit": {"tenant": agent}})
@@ -128,7 +129,8 @@ def test_every_entry_point_renders_the_same_tokens(served, vllm_url, config, app
         r = httpx.post(p.url + "/v1/chat/completions", json={"model": "smol", **body}, timeout=120)
         assert r.status_code == 200, r.text
         proxied_ids = r.json()["choices"][0]["prompt_token_ids"]  # what vLLM itself received
-    request = kit.request(msgs, [Evidence(d["text"], id=d["id"], title=d["title"]) for d in docs], tenant="facade-fresh")
+    request = kit.request(msgs, [Evidence(d["text"], id=d["id"], title=d["title"]) for d in docs],
+                          tenant="facade-fresh")
     facade_ids = kit.plan(request).ids
     assert served_ids == proxied_ids == facade_ids
     text = kit.tokenizer.decode(facade_ids)
@@ -246,8 +248,8 @@ def test_a_full_queue_is_429_and_a_client_that_hangs_up_frees_the_engine(served,
         assert s.app.state.serve.wait_settled(60)
         assert not s.app.state.pending
         assert _metric(s.url, "contextkit_serve_cancelled_total", '{why="disconnect"}') == 1
-        ok = httpx.post(s.url + "/v1/chat/completions", json={**long, "stream": False, "max_tokens": 2, "min_tokens": 0},
-                        timeout=60)
+        ok = httpx.post(s.url + "/v1/chat/completions",
+                        json={**long, "stream": False, "max_tokens": 2, "min_tokens": 0}, timeout=60)
         assert ok.status_code == 200
 
 

@@ -31,8 +31,8 @@ ROPE = RopeSpec(head_dim=HEAD, base=10000.0)
 @pytest.fixture
 def worker(tmp_path):
     store = TieredStore([MemoryTier(1 << 30)])
-    w = ConnectorWorker(settings=ConnectorSettings(disk_dir=tmp_path / "disk", cache_dir=tmp_path), geometry=GEOM, store=store,
-                        rope=[ROPE] * LAYERS)
+    w = ConnectorWorker(settings=ConnectorSettings(disk_dir=tmp_path / "disk", cache_dir=tmp_path), geometry=GEOM,
+                        store=store, rope=[ROPE] * LAYERS)
     w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, HEADS, BS, 2 * HEAD,
                                                                            dtype=torch.bfloat16)
                           for i in range(LAYERS)})

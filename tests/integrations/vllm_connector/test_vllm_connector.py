@@ -69,7 +69,8 @@ def test_a_requests_namespace_is_its_cache_salt_unless_the_proxy_paired_a_pic_sa
     from contextkit.core.tenancy import pic_salt
 
     pic = {"mode": "pic", "spans": [[0, 4]], "salt": "tenant"}
-    assert RequestOptions.of({"contextkit": {**V, **pic}}, 10).namespace(pic_salt("tenant", recompute_last=False)) == "tenant"
+    assert RequestOptions.of({"contextkit": {**V, **pic}}, 10).namespace(
+        pic_salt("tenant", recompute_last=False)) == "tenant"
     assert RequestOptions.of({"contextkit": {**V, "salt": "t"}}, 10).namespace("t") == "t"
     assert RequestOptions.of(None, 10).namespace("t") == "t" and RequestOptions.of(None, 10).namespace(None) is None
     for params, cache_salt in (({"salt": "victim"}, "thief"), ({"salt": ""}, "thief"), ({"salt": "victim"}, None),
