@@ -97,17 +97,21 @@ def test_corrupt_gguf_is_a_clear_error_and_leaves_nothing(tmp_path, damage):
     assert leftovers == []  # no half-written model directory
 
 
-@pytest.mark.slow  # converts the default model from its GGUF, twice
+@pytest.mark.slow  # converts the default model from its GGUF
 def test_stale_partial_directory_is_replaced(tmp_path, smol_dir):
     # A directory without a manifest (e.g. a crash mid-copy by an older version) is rebuilt, not used.
+    from contextkit.core.models import prepared_dir
+    from contextkit.core.wheel_parts import hash_parts
+
     src = REGISTRY["smollm2-135m-instruct"].gguf_files()[0]
     own = tmp_path / "own.gguf"
     shutil.copy(src, own)
-    first = prepare("own", tmp_path, gguf=own)
-    (first / "contextkit.json").unlink()
-    (first / "model.safetensors").write_bytes(b"partial")
+    stale = prepared_dir(tmp_path, "own", hash_parts([own])[0])  # where prepare keeps this file's model
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    (stale / "model.safetensors").write_bytes(b"partial")
     again = prepare("own", tmp_path, gguf=own)
-    assert again == first and (again / "contextkit.json").is_file()
+    assert again == stale and (again / "contextkit.json").is_file()
     assert (again / "model.safetensors").stat().st_size > 1000
 
 
