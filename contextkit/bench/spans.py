@@ -12,7 +12,9 @@ system prompt + passages + question, rendered by the planner. Bands (``--set ban
 defaults were chosen on ``tune`` of the shared dev file; ``auto`` (the default) is ``heldout`` for that
 file and ``all`` for any ``--data`` file.
 
-Per method, the same prompts in the same run, methods in a rotating order per question:
+Per method, the same prompts in the same run, methods in a rotating order per question (``--set
+methods=a,b`` runs the methods whose names start with ``a`` or ``b``, plus both full prefills, the default
+and ``reuse``, which the summary is built on; ``contextkit.bench.spans_methods``):
 
 - TTFT: wall time of ``SpanCache.assemble`` (fetch, re-rotate, select, recompute + query prefill) to the
   first token's logits; ``full`` is the plain prefill of the same tokens on a float32 engine (the
@@ -49,7 +51,6 @@ from typing import Any
 
 from contextkit.bench.answers import answered
 from contextkit.bench.bands import BANDS, band_key, choose_questions, parse_bands
-from contextkit.bench.calibrate import BUDGETS
 from contextkit.bench.data import (
     QARecord,
     load_records,
@@ -58,6 +59,7 @@ from contextkit.bench.data import (
 )
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
 from contextkit.bench.metrics import answer_em, answer_f1, kl_divergence, token_f1
+from contextkit.bench.spans_methods import REFERENCE, Method, default_method, methods, same_dtype_full, selected
 from contextkit.bench.spans_vllm import vllm_rows, vllm_summary
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -71,61 +73,6 @@ from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import find_profile
 from contextkit.spans.fidelity import NEAR_TIE_NATS, agreement, gold_ids, score
 
-REFERENCE = "full"  # float32 full prefill: what every row's fidelity is measured against
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Method:
-    options: ReuseOptions
-    dtype: str  # the engine it runs on
-
-
-def methods(dtype: str, band: str, first_k: int) -> dict[str, Method]:
-    """The compared configurations for a band; the long bands run a shorter list (their prefill is slow).
-
-    ``dtype`` is the engine of the reuse rows (the config's); "full" always runs on float32. Ratio rows
-    other than the fallback's are uncapped (``max_recompute=None``), so "r=0.5" recomputes half. The
-    default is a fidelity budget (policy "budget"), resolved per prompt by the engine's calibration profile;
-    "budget b" rows are the other budgets; the fallback row is what a budget runs with no profile.
-    """
-    default = ReuseOptions()
-    fallback = default.fallback()
-    cap = fallback.max_recompute
-    out = {REFERENCE: Method(ReuseOptions(policy="full"), "float32")}
-    if dtype != "float32":
-        out[f"full ({dtype})"] = Method(ReuseOptions(policy="full"), dtype)
-    out["reuse"] = Method(ReuseOptions(policy="none", first_k=0), dtype)
-    out[f"default (budget {default.budget})"] = Method(default, dtype)
-    for b in BUDGETS:
-        if b != default.budget:
-            out[f"budget {b}"] = Method(ReuseOptions(fidelity_budget=b), dtype)
-    out[f"query_attention r={fallback.ratio}, <={cap}"] = Method(fallback, dtype)
-    for r in (0.1, 0.5) if band == "1.5k" else (0.1,):
-        out[f"query_attention r={r}"] = Method(dataclasses.replace(fallback, ratio=r, max_recompute=None), dtype)
-    if band == "1.5k":
-        out[f"first_k k={first_k}"] = Method(ReuseOptions(policy="first_k", first_k=first_k), dtype)
-        out["kv_deviation r=0.3"] = Method(ReuseOptions(policy="kv_deviation", ratio=0.3, first_k=0,
-                                                        max_recompute=cap), dtype)
-        out["all-layer probe r=0.3"] = Method(dataclasses.replace(fallback, probe_layers=0), dtype)
-        out["attention_budget=0.2"] = Method(dataclasses.replace(fallback, attention_budget=0.2), dtype)
-        if dtype != "float32":
-            out["default (float32)"] = Method(default, "float32")
-    return out
-
-
-def default_method(table: dict[str, Method], dtype: str) -> str:
-    """The row that runs the library's default ReuseOptions on the configured engine."""
-    d = ReuseOptions()
-    for name, m in table.items():
-        if m.options == d and m.dtype == dtype:
-            return name
-    raise AssertionError("the default ReuseOptions must be one of the bench's methods")
-
-
-def same_dtype_full(table: dict[str, Method], dtype: str) -> str:
-    """The full-prefill row on the methods' engine (the float32 reference when they run float32)."""
-    return next((n for n, m in table.items() if m.options.policy == "full" and m.dtype == dtype), REFERENCE)
-
 
 def _bands(ctx: BenchContext) -> list[str]:
     return parse_bands(ctx.option("bands", "1.5k,3k,4k,6k"))
@@ -138,13 +85,13 @@ def _work(ctx: BenchContext, planner: Planner, records: list[QARecord], bands: l
     for band in bands:
         lo, hi = (ctx.option("min_tokens", BANDS[band][0], int), ctx.option("max_tokens", BANDS[band][1], int)) \
             if band == "1.5k" else (None, None)
-        chosen = choose_questions(planner, records, band, decode=decode, seed=ctx.seed, lo=lo, hi=hi,
+        picked = choose_questions(planner, records, band, decode=decode, seed=ctx.seed, lo=lo, hi=hi,
                                   count=ctx.count(40) if band == "1.5k" else long_n)
-        if not chosen:
+        if not picked:
             lo, hi, _ = BANDS[band]
             raise InputError(f"no question renders to the {band} band ({lo}..{hi} tokens); widen --set "
                              "min_tokens=/max_tokens= (1.5k band) or choose other --set bands=")
-        work[band] = (chosen, methods(dtype, band, first_k))
+        work[band] = (picked, selected(methods(dtype, band, first_k), dtype, ctx.option("methods", None)))
     return work
 
 
