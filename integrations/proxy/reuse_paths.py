@@ -10,8 +10,8 @@ inside a request.
 - ``Blending`` ("cacheblend", LMCache's CacheBlend): segments joined by the upstreams' separator; a prompt
   that did not opt in must hold no separator, in pass-through requests too; one tenant per deployment.
 
-Adding a connector kind: a class here with its row in ``PATHS``, its name in ``ProxySettings.kv_connector``,
-and its tests in ``tests/integrations/proxy/test_reuse_paths.py``.
+Adding a connector kind: a class here with its row in ``PATHS`` (``ProxySettings.kv_connector`` is checked
+against it), and its tests in ``tests/integrations/proxy/test_reuse_paths.py``.
 """
 
 from __future__ import annotations
