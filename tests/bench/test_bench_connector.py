@@ -12,9 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
+    """What CI runs of bench connector (DEVELOPERS.md, "What CI runs of each bench"): every row, on two
+    requests (one item in two orders); its servers are most of the time."""
     trace, out = tmp_path / "trace.jsonl", tmp_path / "connector.json"
-    write_trace(trace_requests(2), trace)
-    proc = cli("bench", "connector", "--trace", str(trace), "--n", "3", "--json", str(out),
+    write_trace(trace_requests(1), trace)
+    proc = cli("bench", "connector", "--trace", str(trace), "--n", "2", "--json", str(out),
                "--set", f"redis={redis_url}", timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -23,7 +25,7 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
                           "connector after restart", "local prefix hit (floor)", "connector, second server",
                           "span compile (first pass)", "span reuse (pic)", "span reuse, recompute last span",
                           "span reuse, recompute in vLLM (default)", "span reuse, recompute in vLLM (kv_deviation)"]
-    assert all(r["requests"] == 3 for r in rows.values())
+    assert all(r["requests"] == 2 for r in rows.values())
     assert rows["full prefill (cold)"]["cached_share"] == 0 and rows["full prefill (cold)"]["top1_agreement"] == 1.0
     # the restarted server and the second one load what the first computed: most of every prompt
     for name in ("connector after restart", "local prefix hit (floor)", "connector, second server", "span reuse (pic)"):
@@ -46,7 +48,7 @@ def test_bench_connector_small_run(tmp_path, redis_url, cli, trace_requests):
     # (the cold row against its own pass: KL 0; its argmax can still differ from the greedy decode at a
     # bf16 near-tie, 1 in ~100 answer tokens measured, so its agreement is the floor, not 1 by construction)
     assert rows["full prefill (cold)"]["answer_kl_p90"] == 0 and rows["full prefill (cold)"]["tf_agreement"] > 0.5
-    assert s["repairs"] >= 2 * 3 and s["repair_failures"] == 0 and s["repair_ms_mean"] > 0
+    assert s["repairs"] >= 2 * 2 and s["repair_failures"] == 0 and s["repair_ms_mean"] > 0
     assert s["recompute_share"] > 0 and s["kv_deviation_share"] > 0 and s["repair_weights_mb"] > 100
     for key in ("recompute_speedup_vs_prefix", "recompute_top1_agreement", "recompute_kl_p50", "recompute_tf_agreement",
                 "floor_tf_agreement", "repair_rss_mb"):

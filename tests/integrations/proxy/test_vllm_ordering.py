@@ -67,14 +67,14 @@ def test_tenants_are_isolated_by_cache_salt(client, renderer, trace_requests):
 
 def test_bench_ordering_replays_a_trace(tmp_path, vllm_url, cli, trace_requests):
     trace, out, saved = tmp_path / "trace.jsonl", tmp_path / "ordering.json", tmp_path / "saved.jsonl"
-    write_trace(trace_requests(3), trace)
+    write_trace(trace_requests(2), trace)
     # no --n: a replayed trace runs whole, and the bench says how much it used
     proc = cli("bench", "ordering", "--upstream", vllm_url, "--trace", str(trace), "--write-trace", str(saved),
                "--json", str(out), "--set", "max_tokens=4", "--set", "tree_sequences=200")
     assert proc.returncode == 0, proc.stderr
-    assert "bench ordering used 6 requests" in proc.stdout
+    assert "bench ordering used 4 requests" in proc.stdout
     result = json.loads(out.read_text())
-    assert result["summary"]["requests"] == 6 and all(r["requests"] == 6 for r in result["rows"])
+    assert result["summary"]["requests"] == 4 and all(r["requests"] == 4 for r in result["rows"])
     rows = {r["policy"]: r for r in result["rows"]}
     assert set(rows) == {"retrieval", "weaver", "weaver+aligned", "oracle"}
     assert rows["weaver"]["cached_tokens_mean"] > rows["retrieval"]["cached_tokens_mean"]
