@@ -43,8 +43,9 @@ def test_bench_rejects_unknown_name_and_bad_data(tmp_path, cli):
 def test_bench_spans_small_run(tmp_path, smol_dir, cli, vllm_url):
     """What CI runs of bench spans (DEVELOPERS.md, "What CI runs of each bench"): one question, the 1.5k band,
     the methods its summary and these checks use (both full prefills, the default, reuse, the budgets, the
-    query_attention ratios, the attention budget), the vLLM rows on the shared server. The long bands run the same code on longer
-    prompts (their padding: tests/bench/test_data.py; their shorter table: test_spans_methods.py)."""
+    query_attention ratios, the attention budget), the vLLM rows on the shared server. The long bands run the
+    same code on longer prompts (their padding: tests/bench/test_data.py; their shorter table:
+    test_spans_methods.py)."""
     from contextkit.bench.data import SHARED_MULTIHOP
 
     bands = ("1.5k",)
