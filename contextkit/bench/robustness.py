@@ -246,9 +246,11 @@ def _one(ctx: BenchContext, tick: Tick, server: str, url_of: dict, keys_file: Pa
     return _row(server, row, measured, logs)
 
 
-def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, started: list) -> dict[str, str]:
+def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, started: list,
+              scratch: Path) -> dict[str, str]:
     """vLLM for the proxy (unless ``--set upstream``) and Redis for serve's shared tier; each started one
-    goes to ``started`` (stopped by the caller)."""
+    goes to ``started`` (stopped by the caller). The connector's disk tier lies under ``scratch``, which the
+    caller removes (a run's tier is about a GB)."""
     from contextkit.core.models import resolve_model_dir
     from contextkit.integrations.launchers.services import redis_server
     from contextkit.integrations.launchers.vllm_server import (
@@ -267,7 +269,7 @@ def _backends(ctx: BenchContext, servers: list[str], engine_cpus, logs: Path, st
             if connector == "contextkit":  # the connector on a disk tier, with its default operator limits
                 from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
 
-                disk = Path(tempfile.mkdtemp(prefix="ctxk-robust-"))
+                disk = scratch / "connector-disk"
                 extra = tuple(vllm_args(ConnectorSettings(disk_dir=disk, cache_dir=ctx.config.cache_dir)))
                 url_of["connector"] = "contextkit"
             step = ctx.option("max_batched_tokens", 0, int)  # vLLM's step budget (0: its default)
@@ -335,7 +337,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         try:
             if "proxy" in servers and not ctx.option("upstream", ""):
                 tick("starting vLLM")
-            url_of = _backends(ctx, servers, engine_cpus, logs, started)
+            url_of = _backends(ctx, servers, engine_cpus, logs, started, Path(tmp))
             for server in servers:
                 # the proxy gets the core vLLM does not use; serve is the engine: it gets every core
                 rows.append(_one(ctx, tick, server, url_of, keys_file, work, server_cpus if server == "proxy" else (),

@@ -21,6 +21,7 @@ raw bandwidth); ``fetch_vs_compile_max``: the slowest tier's 1k-token fetch / co
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -269,6 +270,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
             t.close()
         for s in services:
             s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the disk tiers' files and the raw-file baseline
     summary = _summary(rows, sizes, compile_ms, crypto, reps=reps, dtype=dtype)
     config = {"sizes": sizes, "tiers": tiers, "reps": reps, "dtype": dtype, "model": ctx.config.model,
               "redis": "started by the bench" if not ctx.option("redis_url", "") else ctx.option("redis_url", ""),

@@ -141,6 +141,7 @@ def _connector_arm(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: 
     ``--kv-connector contextkit``; every request opts in with the default reuse (``{}``): documents the
     server has not seen are computed in context and compiled position-free after the answer, and later
     requests load them re-rotated and repaired in vLLM's worker (docs/vllm_connector.md)."""
+    import shutil
     import tempfile
 
     from contextkit.integrations.vllm_connector import ConnectorSettings, vllm_args
@@ -164,6 +165,7 @@ def _connector_arm(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: 
         if proxy is not None:
             proxy.stop(30)
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the arm's disk tier: the connector's KV of the whole trace
 
 
 def _serve_arms(ctx: BenchContext, tick: Tick, http: httpx.Client, requests: list[TraceRequest],
