@@ -165,6 +165,8 @@ class SpanCache:
         a.got = fetch(self, plan, provided)
         self._write(a)
         self._select(a)
+        if self._over_gate(a):  # the probe reads this request as the tail: it runs exact
+            return self._full_prefill(a, escalated=True)
         self._forward(a)
         self._keep_links(a)
         return Assembly(a.cache, a.logits, self._report(a))
@@ -206,8 +208,19 @@ class SpanCache:
         cache = self.engine.new_cache(placement.n_slots + extra_capacity)
         return _Assembling(plan, placement, cache, t_start)
 
-    def _full_prefill(self, a: _Assembling) -> Assembly:
-        """Policy "full": every token computed in context, nothing reused (the reference)."""
+    @staticmethod
+    def _over_gate(a: _Assembling) -> bool:
+        """Whether the profile's tail gate for the chosen setting (``Resolved.max_deviation``) sends this
+        request to full prefill: its probe left more of the query's attention on stale KV than the gate."""
+        gate = a.budgeted.max_deviation if a.budgeted is not None else None
+        return gate is not None and a.estimated_deviation is not None and a.estimated_deviation > gate
+
+    def _full_prefill(self, a: _Assembling, escalated: bool = False) -> Assembly:
+        """Policy "full": every token computed in context, nothing reused (the reference). ``escalated``:
+        the budget's setting ran its probe first and the tail gate sent the request here (a fresh cache;
+        the report keeps the probe's estimate and time, and the fetch's hits and compiles)."""
+        if escalated:
+            a.cache = self.engine.new_cache(a.cache.capacity)
         placed, context_tokens = a.placement.placed, a.placement.context_tokens
         ids = [t for p in placed for t in p.ids]
         pos = torch.cat([torch.arange(p.position, p.position + len(p.ids)) for p in placed])
@@ -215,11 +228,15 @@ class SpanCache:
         logits = self.engine.forward(a.cache, ids, positions=pos)
         compute = (time.perf_counter() - t0) * 1e3
         assert logits is not None
+        got = a.got
         report = ReuseReport(
             policy="full", ratio=1.0, context_tokens=context_tokens, reused_tokens=0, rerotated_tokens=0,
-            recomputed_tokens=0, prefilled_tokens=context_tokens, padding_tokens=0, compiled_tokens=0,
-            hits=0, misses=0, fetch_ms=0.0, rerotate_ms=0.0, select_ms=0.0, compute_ms=compute,
-            compile_ms=0.0, total_ms=(time.perf_counter() - a.t_start) * 1e3, **_budget_fields(a.budgeted),
+            recomputed_tokens=0, prefilled_tokens=context_tokens, padding_tokens=0,
+            compiled_tokens=got.compiled_tokens,
+            hits=len(got.hit_items), misses=got.misses, fetch_ms=got.fetch_ms, rerotate_ms=a.rerotate_ms,
+            select_ms=a.select_ms, compute_ms=compute, compile_ms=got.compile_ms,
+            total_ms=(time.perf_counter() - a.t_start) * 1e3, estimated_deviation=a.estimated_deviation,
+            escalated=escalated, **_budget_fields(a.budgeted),
         )
         return Assembly(a.cache, logits, report)
 
@@ -311,5 +328,6 @@ class SpanCache:
 
 
 def _budget_fields(b: Resolved | None) -> dict:
-    return {} if b is None else {"fidelity_budget": b.budget, "profile": b.profile, "band": b.band}
+    return {} if b is None else {"fidelity_budget": b.budget, "profile": b.profile, "band": b.band,
+                                 "fidelity_gate": b.max_deviation}
 

@@ -23,6 +23,16 @@ The fit is conservative, not a curve, in three ways:
   chosen: a deeper probe costs more per request but may reach the budget at a lower ratio, and only
   the measurement says which is faster; a setting measured
   slower than full prefill is never chosen, since full prefill is exact and faster.
+The tail is caught per request. A ratio-only setting must hold the budget on the prompts that need the
+most recompute, so a few such prompts push every request to a costlier ratio. The probe that selects the
+tokens also estimates what it left stale (the share of the question's attention still on reused tokens not
+recomputed: ``spans.recompute``), and calibrate keeps that estimate per prompt (``Point.deviation``). A
+setting that misses the budget may still qualify with a tail gate: a request whose estimate is over the
+gate runs as a full prefill (exact), and the gate is the loosest under which the answer KL bound, with the
+gated prompts counted as exact, holds the budget (the same split-conformal bound: a binary miss is
+monotone in the gate, so the bound holds for the gate chosen on the data, conformal risk control's
+argument). The gate costs its full prefills, so a gated setting competes on its expected speedup
+(``Qualified.speedup``); when the estimate does not track the answer KL, no gate pays and none is chosen.
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
 dtype is refused (``CalibrationError``), never used; so is one whose values are out of range (a ratio above
 1, a negative probe depth, an answer KL that is not a finite number >= 0, ...): the file is checked field by
@@ -85,6 +95,10 @@ class Point:
     tf_agreement: tuple[float, ...]  # per prompt: teacher-forced agreement with it
     speedup: float  # median TTFT of same-dtype full prefill over this setting's
     probe_layers: int | None = None  # the probe's depth (0: all layers); None: the profile's ``probe_layers``
+    # per prompt: the probe's estimate of what this setting left stale (the share of the query's attention
+    # mass on reused tokens not recomputed, ``ReuseReport.estimated_deviation``); empty where the setting
+    # runs no probe (ratio 0) or the profile predates it
+    deviation: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +115,27 @@ class Choice:
     options: ReuseOptions  # the setting to run (policy "full" when none is within the budget)
     band: str
     predicted_kl: float  # the chosen setting's answer KL bound at the profile's quantile (0 for full prefill)
+    # the tail gate: a request whose probe leaves more than this share of the query's attention on stale
+    # KV (``ReuseReport.estimated_deviation``) runs as a full prefill instead; None: no gate
+    max_deviation: float | None = None
+    expected_speedup: float = 1.0  # the setting's measured speedup, less what its gate's full prefills cost
+
+
+@dataclass(frozen=True, slots=True)
+class Qualified:
+    """A setting that holds a budget: its point, its answer KL bound, its tail gate (None: ungated) and its
+    expected speedup over full prefill (the point's, less its gate's full prefills)."""
+
+    point: Point
+    bound: float
+    gate: float | None
+    speedup: float
+
+
+def gated(point: Point, gate: float) -> tuple[float, ...]:
+    """The point's per-prompt answer KL with its tail gate at ``gate``: a prompt whose probe estimate is over
+    the gate runs as a full prefill, the reference itself (KL 0)."""
+    return tuple(0.0 if d > gate else k for k, d in zip(point.answer_kl, point.deviation))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,34 +163,45 @@ class CalibrationProfile:
         """The probe depth ``point`` was measured with (0: all layers)."""
         return self.probe_layers if point.probe_layers is None else point.probe_layers
 
-    def qualifying(self, budget: float, band: Band) -> list[tuple[Point, float]]:
-        """The points of ``band`` whose answer KL bound (``upper_bound`` at ``quantile``) is within
-        ``budget``, it and every costlier point of its probe depth, each with its bound."""
+    def qualifying(self, budget: float, band: Band) -> list[Qualified]:
+        """The settings of ``band`` that hold ``budget``: a point whose answer KL bound (``upper_bound`` at
+        ``quantile``) is within it, it and every costlier point of its probe depth, runs ungated; a point
+        that does not, but measured its probe's estimate per prompt (``Point.deviation``), qualifies with the
+        loosest tail gate under which it and every costlier point of its depth hold the budget, a prompt
+        over the gate counted as a full prefill (answer KL 0: ``gated``)."""
         out = []
         for depth in {self.depth(p) for p in band.points}:
             series = sorted((p for p in band.points if self.depth(p) == depth), key=lambda p: p.ratio)
-            worst_above = 0.0
-            for p in reversed(series):  # costliest first: the envelope of what follows
-                bound = upper_bound(p.answer_kl, self.quantile)
-                worst_above = max(worst_above, bound)
-                if worst_above <= budget:
-                    out.append((p, bound))
+            for i, p in enumerate(series):
+                rest = series[i:]
+                if all(upper_bound(x.answer_kl, self.quantile) <= budget for x in rest):
+                    out.append(Qualified(p, upper_bound(p.answer_kl, self.quantile), None, p.speedup))
+                    continue
+                if not all(x.deviation for x in rest):
+                    continue
+                for gate in sorted(set(p.deviation), reverse=True):  # the loosest gate first
+                    if all(upper_bound(gated(x, gate), self.quantile) <= budget for x in rest):
+                        share = sum(d > gate for d in p.deviation) / len(p.deviation)
+                        out.append(Qualified(p, upper_bound(gated(p, gate), self.quantile), gate,
+                                             1.0 / (1.0 / p.speedup + share)))
+                        break
         return out
 
     def choose(self, budget: float, context_tokens: int) -> Choice:
-        """Of the qualifying settings (``qualifying``), the one measured fastest, where speeds within
+        """Of the qualifying settings (``qualifying``), the one expected fastest (a gated setting's measured
+        speedup less the full prefills its gate sends, ``Qualified.speedup``), where speeds within
         ``SPEED_TIE`` of the fastest count as a tie that the smaller bound wins; full prefill when none
         qualifies or the fastest is slower than full prefill."""
         band = self.band_for(context_tokens)
         ok = self.qualifying(budget, band)
-        fastest = max((p.speedup for p, _ in ok), default=0.0)
+        fastest = max((q.speedup for q in ok), default=0.0)
         if fastest < 1.0:
             return Choice(ReuseOptions(policy="full"), band.name, 0.0)
-        point, bound = min(((p, b) for p, b in ok if p.speedup >= fastest / SPEED_TIE),
-                           key=lambda pb: (pb[1], -pb[0].speedup))
+        best = min((q for q in ok if q.speedup >= fastest / SPEED_TIE), key=lambda q: (q.bound, -q.speedup))
+        point = best.point
         opts = ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None,
                             first_k=self.first_k, probe_layers=self.depth(point))
-        return Choice(opts, band.name, round(bound, 6))
+        return Choice(opts, band.name, round(best.bound, 6), best.gate, round(best.speedup, 3))
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
@@ -212,6 +258,7 @@ class _PointFile(_Checked):
     tf_agreement: list[float] = Field(min_length=1)
     speedup: float = Field(gt=0.0)
     probe_layers: int | None = Field(default=None, ge=0)
+    deviation: list[float] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _per_prompt(self) -> _PointFile:
@@ -221,6 +268,10 @@ class _PointFile(_Checked):
             raise ValueError("tf_agreement holds a value outside [0, 1]")
         if len(self.tf_agreement) != len(self.answer_kl):
             raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.tf_agreement)} tf_agreement")
+        if self.deviation and len(self.deviation) != len(self.answer_kl):
+            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.deviation)} deviation")
+        if any(not 0.0 <= d <= 1.0 for d in self.deviation):
+            raise ValueError("deviation holds a value outside [0, 1]")
         return self
 
 
@@ -244,7 +295,8 @@ class _ProfileFile(_Checked):
 
     def profile(self) -> CalibrationProfile:
         bands = tuple(Band(b.name, b.context_tokens, tuple(
-            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers) for p in b.points))
+            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.deviation))
+            for p in b.points))
             for b in self.bands)
         return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,
                                   self.first_k, self.probe_layers)

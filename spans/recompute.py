@@ -141,17 +141,19 @@ def _select(engine: KVEngine, cache: KVCache, layout: Layout, options: ReuseOpti
         cache.truncate(length)  # the query is prefilled again after recomputation
         score = probe.score
         total = float(score[:length].sum()) or 1.0
+        pool = cand
+        if options.first_k:  # the sinks are recomputed anyway: spend the ratio on other tokens
+            pool = cand[~torch.isin(cand, _first_k(layout, options.first_k))]
         if options.attention_budget is None:
-            pool = cand
-            if options.first_k:  # the sinks are recomputed anyway: spend the ratio on other tokens
-                pool = cand[~torch.isin(cand, _first_k(layout, options.first_k))]
             picked = _top(pool, score, options.ratio * cand.numel() / max(pool.numel(), 1), options.max_recompute)
         else:
-            order = cand[score[cand].argsort(descending=True)]
-            stale = float(score[cand].sum()) / total  # share of attention on candidates, none recomputed
+            order = pool[score[pool].argsort(descending=True)]
+            stale = float(score[pool].sum()) / total  # share of attention on candidates, none recomputed
             cum = score[order].cumsum(0) / total
             need = int((stale - cum > options.attention_budget).sum()) + (1 if stale > options.attention_budget else 0)
             picked = order[: min(need, order.numel())].sort().values
-        left = float(score[cand].sum() - score[picked].sum()) / total
+        # what stays stale: the pool less what was picked (the sinks are recomputed, as in the connector's
+        # repair, whose candidates exclude them): the same estimate on both paths
+        left = float(score[pool].sum() - score[picked].sum()) / total
         return Selection(picked, estimated_deviation=round(left, 6))
     raise ValueError(f"policy {policy!r} is not a selection policy")  # "full" and "budget" never reach here

@@ -16,13 +16,16 @@ are refused. Written beside the model (``contextkit-calibration-<dtype>.json``) 
 
 Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
 is held to; tf_agreement; speedup vs full prefill in the same run);
-summary: per band, the ratio and probe depth each budget in ``BUDGETS`` (also ``bench spans``' budget rows)
-would choose.
+summary: per band, the ratio, probe depth and tail gate each budget in ``BUDGETS`` (also ``bench spans``'
+budget rows) would choose, and its expected speedup (the gate's full prefills counted). Per row, the probe's
+estimate per prompt (``Point.deviation``) against the answer KL: ``deviation_kl_rank_corr``, whether the
+estimate can tell the tail (the gate's premise).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -76,8 +79,9 @@ Setting = tuple[int, float]  # (probe depth, ratio)
 
 
 def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tuple[Setting, ...],
-              answer_tokens: int) -> tuple[float, dict[Setting, tuple[float, float, float]]]:
-    """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT) against it."""
+              answer_tokens: int) -> tuple[float, dict[Setting, tuple[float, float, float, float | None]]]:
+    """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT, the probe's
+    estimated deviation) against it."""
     for it in plan.items[:-1]:
         cache.compiled(it.span)
     engine = cache.engine
@@ -95,14 +99,14 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tup
         asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
         ms = (time.perf_counter() - t0) * 1e3
         f = compare(ref, engine, asm.cache, asm.logits)
-        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms)
+        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms, asm.report.estimated_deviation)
     return full_ms, out
 
 
 def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, tok: Tokenizer,
           settings: tuple[Setting, ...], answer_tokens: int, tick: Tick) -> Band:
     full_ms: list[float] = []
-    per: dict[Setting, list[tuple[float, float, float]]] = {s: [] for s in settings}
+    per: dict[Setting, list[tuple[float, float, float, float | None]]] = {s: [] for s in settings}
     for qi, (_, plan) in enumerate(chosen):
         tick(f"{name} q{qi}")
         ms, measured = _question(cache, tok, plan, settings, answer_tokens)
@@ -111,8 +115,14 @@ def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, to
             per[s].append(m)
     full = median(full_ms)
     points = tuple(Point(r, tuple(round(m[0], 6) for m in per[(d, r)]), tuple(round(m[1], 4) for m in per[(d, r)]),
-                         round(full / median([m[2] for m in per[(d, r)]]), 3), probe_layers=d) for d, r in settings)
+                         round(full / median([m[2] for m in per[(d, r)]]), 3), probe_layers=d,
+                         deviation=_deviations([m[3] for m in per[(d, r)]])) for d, r in settings)
     return Band(name, int(median([p.num_tokens for _, p in chosen])), points)
+
+
+def _deviations(values: list[float | None]) -> tuple[float, ...]:
+    """Per prompt, the probe's estimate (empty when a setting ran no probe, as at ratio 0)."""
+    return () if any(v is None for v in values) else tuple(round(min(max(v, 0.0), 1.0), 6) for v in values)
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -166,8 +176,34 @@ def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
     return [{"band": b.name, "context_tokens": b.context_tokens, "probe_layers": profile.depth(p), "ratio": p.ratio,
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
              "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares
-             "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup}
+             "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup,
+             # does the probe's estimate track the answer KL (the tail gate's premise)? Spearman's rho
+             "deviation_p50": round(median(p.deviation), 4) if p.deviation else None,
+             "deviation_kl_rank_corr": _rank_corr(p.deviation, p.answer_kl) if p.deviation else None}
             for b in profile.bands for p in b.points]
+
+
+def _rank_corr(x: tuple[float, ...], y: tuple[float, ...]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank); None when either side is constant.
+    (statistics.correlation's method="ranked" is Python 3.12; this is 3.11.)"""
+    def ranks(v: tuple[float, ...]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(x), ranks(y)
+    try:
+        return round(statistics.correlation(rx, ry), 3)
+    except statistics.StatisticsError:
+        return None
 
 
 def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
@@ -178,4 +214,6 @@ def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
             full = c.options.policy == "full"
             out[band_key(f"ratio_at_{budget}", b.name)] = "full" if full else c.options.ratio
             out[band_key(f"probe_layers_at_{budget}", b.name)] = None if full else c.options.probe_layers
+            out[band_key(f"gate_at_{budget}", b.name)] = c.max_deviation  # the tail gate (None: none)
+            out[band_key(f"expected_speedup_at_{budget}", b.name)] = 1.0 if full else c.expected_speedup
     return out

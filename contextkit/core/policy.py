@@ -214,6 +214,9 @@ class Resolved:
     budget: float
     profile: str  # the profile's id, or "none": no profile, the built-in fallback ran
     band: str | None
+    # the profile's tail gate for this setting: a request whose probe estimates more than this share of
+    # the query's attention left on stale KV runs as a full prefill (spans.calibration); None: no gate
+    max_deviation: float | None = None
 
 
 def resolve_budget(opts: ReuseOptions, profile: Chooser | None, tokens: int) -> Resolved:
@@ -228,7 +231,7 @@ def resolve_budget(opts: ReuseOptions, profile: Chooser | None, tokens: int) -> 
     c = choice.options
     chosen = replace(opts, policy=c.policy, ratio=c.ratio, max_recompute=c.max_recompute, first_k=c.first_k,
                      probe_layers=c.probe_layers, fidelity_budget=None)
-    return Resolved(chosen, opts.budget, profile.id, choice.band)
+    return Resolved(chosen, opts.budget, profile.id, choice.band, choice.max_deviation)
 
 
 class Budgets:

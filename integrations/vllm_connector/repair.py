@@ -43,6 +43,11 @@ class RepairUnsupported(Exception):
     """This model cannot be repaired here (the reason is the message)."""
 
 
+class TailEscalated(Exception):
+    """The selection's probe estimate is over the profile's tail gate (``RepairPlan.max_deviation``): the
+    request looks like the tail its setting does not hold the budget on, so vLLM computes the region."""
+
+
 class Repairer:
     """Recomputes a load's selected tokens with the built-in engine (module docstring).
 
@@ -123,6 +128,10 @@ class Repairer:
                             item_slots=pieces, candidates=pool, computed=query, query=query)
             picked = select(engine, cache, layout, _options(plan, pool.numel()))
             cache.truncate(end)
+            gate, estimate = plan.max_deviation, picked.estimated_deviation
+            if gate is not None and estimate is not None and estimate > gate:
+                raise TailEscalated(f"the probe left {estimate:.4f} of the question's attention on stale KV, over "
+                                    f"the profile's gate {gate:.4f}")
             chosen = torch.cat([chosen, picked.slots])
         chosen = chosen.unique()  # sorted: the chunks go in position order (module docstring)
         for at in range(0, chosen.numel(), self.chunk_tokens):

@@ -26,7 +26,7 @@ from contextkit.integrations.vllm_connector.lookup import Piece, fetch
 from contextkit.integrations.vllm_connector.metadata import ConnectorMeta, LoadOp
 from contextkit.integrations.vllm_connector.pacing import Pacer
 from contextkit.integrations.vllm_connector.paged import PagedKV, slots_of
-from contextkit.integrations.vllm_connector.repair import Repairer, RepairUnsupported
+from contextkit.integrations.vllm_connector.repair import Repairer, RepairUnsupported, TailEscalated
 from contextkit.integrations.vllm_connector.saves import SaveQueue
 from contextkit.integrations.vllm_connector.settings import ConnectorSettings
 from contextkit.integrations.vllm_connector.stats import ConnectorStats, Counters
@@ -159,6 +159,11 @@ class ConnectorWorker:
                 raise RepairUnsupported("no repairer (the model's RoPE geometry is unknown)")
             prefix = self._prefix(op) if op.start else None
             n = self._repairer.run(op.repair, start=op.start, end=op.end, prefix=prefix, k=k, v=v)
+        except TailEscalated as exc:  # the tail gate: exact by design, not a fault
+            log.info("request %s: tokens %d..%d computed by vLLM (%s)", op.req_id, op.start, op.end, exc)
+            self.counters.add("tail_escalations")
+            self._load_errors.update(op.block_ids[op.start // self.block_size : -(-op.end // self.block_size)])
+            return False
         except Exception as exc:  # noqa: BLE001 - out of memory, an unsupported model, a bug: all fall back
             log.warning("request %s: repair of tokens %d..%d failed (%s: %s); vLLM computes them", op.req_id,
                         op.start, op.end, type(exc).__name__, exc)

@@ -34,6 +34,9 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     profile = CalibrationProfile.load(profile_file, model_digest=digest, dtype="float32")
     assert profile.id == f"{digest[:12]}-float32" and profile.bands[0].name == "1.5k"
     assert len(profile.bands[0].points[0].answer_kl) == 1
+    # the probe's estimate per prompt, for the tail gate: kept where the setting ran a probe (not ratio 0)
+    assert [len(p.deviation) for p in profile.bands[0].points] == [0, 1, 1]
+    assert all(0.0 <= d <= 1.0 for p in profile.bands[0].points for d in p.deviation)
     # another model's weights, or the same weights in another dtype: refused, never used
     with pytest.raises(CalibrationError, match="other weights"):
         CalibrationProfile.load(profile_file, model_digest=weights_digest(gemma_dir), dtype="float32")
