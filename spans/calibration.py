@@ -50,6 +50,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from contextkit.core.config import machine_class
 from contextkit.core.errors import CalibrationError
 from contextkit.core.policy import ReuseOptions
 
@@ -148,6 +149,9 @@ class CalibrationProfile:
     bands: tuple[Band, ...]
     first_k: int = 2
     probe_layers: int = 8
+    # where the speedups were measured (``core.config.machine_class``; "": not recorded): fidelity is the
+    # model's and dtype's, the speed order of settings the machine's
+    machine: str = ""
 
     @property
     def id(self) -> str:
@@ -244,6 +248,11 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"calibration profile {path} was made for {profile.dtype}, this engine runs {dtype}: it is not "
                 f"used; run `contextkit calibrate --dtype {dtype}`")
+        here = machine_class()
+        if profile.machine and profile.machine != here:
+            log.warning("calibration profile %s measured its speedups on %s, this machine is %s: its fidelity "
+                        "bounds hold, but which setting is fastest may differ here; re-time them with `contextkit "
+                        "calibrate --set speeds_from=%s`", path, profile.machine, here, path)
         return profile
 
 
@@ -292,6 +301,7 @@ class _ProfileFile(_Checked):
     bands: list[_BandFile] = Field(min_length=1)
     first_k: int = Field(default=2, ge=0)
     probe_layers: int = Field(default=8, ge=0)
+    machine: str = ""
 
     def profile(self) -> CalibrationProfile:
         bands = tuple(Band(b.name, b.context_tokens, tuple(
@@ -299,7 +309,7 @@ class _ProfileFile(_Checked):
             for p in b.points))
             for b in self.bands)
         return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,
-                                  self.first_k, self.probe_layers)
+                                  self.first_k, self.probe_layers, self.machine)
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -12,7 +12,9 @@ fastest setting within it (``CalibrationProfile.choose``), so a deeper probe is 
 budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is
 later held to their ``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th
 smallest of n, so more prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and
-are refused. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
+are refused. The profile records the machine its speedups were measured on; ``--set speeds_from=PROFILE``
+re-times an existing profile's settings on this one, keeping its fidelity (``bench.calibrate_speeds``).
+Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
 Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
 is held to; tf_agreement; speedup vs full prefill in the same run);
@@ -34,6 +36,7 @@ from contextkit.bench.answers import answered
 from contextkit.bench.bands import band_key, choose_questions, parse_bands
 from contextkit.bench.data import SHARED_MULTIHOP, load_records, shared_half, split
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, percentile
+from contextkit.core.config import machine_class
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.models import resolve_model_dir
@@ -126,6 +129,11 @@ def _deviations(values: list[float | None]) -> tuple[float, ...]:
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    source = ctx.option("speeds_from", None)
+    if source is not None:  # keep a profile's fidelity, re-time its settings on this machine
+        from contextkit.bench.calibrate_speeds import retime
+
+        return retime(ctx, tick, Path(source))
     bands = parse_bands(ctx.option("bands", "1.5k,3k,4k"))
     ratios = _ratios(ctx.option("ratios", None))
     probes = _probes(ctx.option("probe_layers", None))
@@ -163,7 +171,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     profile = CalibrationProfile(
         model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
         data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=fitted,
-        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers)
+        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class())
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,

@@ -83,7 +83,8 @@ def calibrate(
     seed: int = 0,
     option: Annotated[
         list[str], typer.Option("--set",
-                                help="bands=, ratios=, quantile=, answer_tokens=, split= (see "
+                                help="bands=, ratios=, probe_layers=, quantile=, answer_tokens=, split=, "
+                                     "speeds_from=PROFILE (re-time a profile here) (see "
                                      "contextkit.bench.calibrate).")
     ] = [],
 ) -> None:

@@ -24,6 +24,24 @@ def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+def machine_class(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """What decides the speed order of recompute settings on a CPU: its architecture, the widest matrix
+    unit it has ("amx" > "avx512_bf16" > "avx512" > "avx2" > "baseline") and the cores this process may use.
+    A calibration profile records it beside its speedups: the fixed part of a reuse weighs differently on
+    an AVX2 box in fp32 than on an AMX one in bf16 (docs/benchmarks.md)."""
+    import os
+    import platform
+
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        flags = set()
+    unit = next((name for name, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
+                                          ("avx512", "avx512f"), ("avx2", "avx2")) if flag in flags), "baseline")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return f"{platform.machine()}/{unit}/{cores}c"
+
+
 def resolve_dtype(name: str) -> str:
     """The engine dtype for a configured name: "auto" is bfloat16 on CPUs with hardware bf16, else float32."""
     if name not in DTYPES:

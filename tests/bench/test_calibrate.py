@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from contextkit.core.config import ContextKitConfig
+from contextkit.core.config import ContextKitConfig, machine_class
 from contextkit.core.errors import CalibrationError
 from contextkit.core.models import weights_digest
 from contextkit.core.policy import ReuseOptions
@@ -37,6 +37,21 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     # the probe's estimate per prompt, for the tail gate: kept where the setting ran a probe (not ratio 0)
     assert [len(p.deviation) for p in profile.bands[0].points] == [0, 1, 1]
     assert all(0.0 <= d <= 1.0 for p in profile.bands[0].points for d in p.deviation)
+    assert profile.machine == machine_class()  # where its speedups were measured
+
+    # re-timed on "another machine": the fidelity kept, the speedups measured again, this machine recorded
+    moved = dataclasses.replace(profile, machine="elsewhere/avx2/64c")
+    profile_file.write_text(moved.to_json())
+    retimed_file = tmp_path / "retimed.json"
+    proc = cli("calibrate", "--n", "1", "--dtype", "float32", "--set", f"speeds_from={profile_file}", "--set",
+               f"out={retimed_file}", "--set", "split=all", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "elsewhere/avx2/64c" in proc.stderr and "speeds_from" in proc.stderr  # the load's warning
+    retimed = CalibrationProfile.load(retimed_file, model_digest=digest, dtype="float32")
+    assert retimed.machine == machine_class()
+    for before, after in zip(profile.bands[0].points, retimed.bands[0].points):
+        assert (after.ratio, after.answer_kl, after.deviation) == (before.ratio, before.answer_kl, before.deviation)
+        assert after.speedup > 0
     # another model's weights, or the same weights in another dtype: refused, never used
     with pytest.raises(CalibrationError, match="other weights"):
         CalibrationProfile.load(profile_file, model_digest=weights_digest(gemma_dir), dtype="float32")

@@ -155,6 +155,20 @@ def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_pat
         CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
 
 
+def test_a_profile_timed_on_another_machine_is_used_and_says_how_to_re_time_it(tmp_path, caplog):
+    from contextkit.core.config import machine_class
+
+    path = profile_path(tmp_path, "float32")
+    for machine, warned in (("elsewhere/avx2/64c", True), (machine_class(), False), ("", False)):
+        p = dataclasses.replace(_profile((SHORT,)), machine=machine)
+        path.write_text(p.to_json())
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="contextkit.spans.calibration"):
+            assert CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32") == p
+        said = [m for m in caplog.messages if "speeds_from" in m]
+        assert bool(said) == warned and (not warned or machine in said[0] and machine_class() in said[0])
+
+
 def _good() -> dict:
     return json.loads(_profile((SHORT, LONG)).to_json())
 
