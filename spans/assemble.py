@@ -40,7 +40,7 @@ from contextkit.spans.key import SpanKey, span_key
 from contextkit.spans.layout import Placement, index, lay_out
 from contextkit.spans.pending import PendingWork, Work
 from contextkit.spans.prefix import extend_prefix
-from contextkit.spans.recompute import Layout, select
+from contextkit.spans.recompute import Layout, key_shift, select
 from contextkit.spans.store import CompiledSpan, KVSpanStore, SpanStore
 
 
@@ -71,6 +71,7 @@ class _Assembling:
     select_ms: float = 0.0
     logits: torch.Tensor | None = None  # 4. forward
     compute_ms: float = 0.0
+    shift: float | None = None  # how far the forward moved the recomputed tokens' keys
 
 
 class SpanCache:
@@ -165,9 +166,9 @@ class SpanCache:
         a.got = fetch(self, plan, provided)
         self._write(a)
         self._select(a)
-        if self._over_gate(a):  # the probe reads this request as the tail: it runs exact
-            return self._full_prefill(a, escalated=True)
         self._forward(a)
+        if self._over_gate(a):  # its recompute moved far: this request looks like the tail, it runs exact
+            return self._full_prefill(a, escalated=True)
         self._keep_links(a)
         return Assembly(a.cache, a.logits, self._report(a))
 
@@ -210,15 +211,15 @@ class SpanCache:
 
     @staticmethod
     def _over_gate(a: _Assembling) -> bool:
-        """Whether the profile's tail gate for the chosen setting (``Resolved.max_deviation``) sends this
-        request to full prefill: its probe left more of the query's attention on stale KV than the gate."""
-        gate = a.budgeted.max_deviation if a.budgeted is not None else None
-        return gate is not None and a.estimated_deviation is not None and a.estimated_deviation > gate
+        """Whether the profile's tail gate for the chosen setting (``Resolved.tail_gate``) sends this request
+        to full prefill: its recompute moved the keys it recomputed further than the gate."""
+        gate = a.budgeted.tail_gate if a.budgeted is not None else None
+        return gate is not None and a.shift is not None and a.shift > gate
 
     def _full_prefill(self, a: _Assembling, escalated: bool = False) -> Assembly:
         """Policy "full": every token computed in context, nothing reused (the reference). ``escalated``:
-        the budget's setting ran its probe first and the tail gate sent the request here (a fresh cache;
-        the report keeps the probe's estimate and time, and the fetch's hits and compiles)."""
+        the budget's setting ran first and the tail gate sent the request here (a fresh cache; the report
+        keeps the reuse's shift, estimate and times, and the fetch's hits and compiles)."""
         if escalated:
             a.cache = self.engine.new_cache(a.cache.capacity)
         placed, context_tokens = a.placement.placed, a.placement.context_tokens
@@ -236,7 +237,7 @@ class SpanCache:
             hits=len(got.hit_items), misses=got.misses, fetch_ms=got.fetch_ms, rerotate_ms=a.rerotate_ms,
             select_ms=a.select_ms, compute_ms=compute, compile_ms=got.compile_ms,
             total_ms=(time.perf_counter() - a.t_start) * 1e3, estimated_deviation=a.estimated_deviation,
-            escalated=escalated, **_budget_fields(a.budgeted),
+            recompute_shift=a.shift, escalated=escalated, **_budget_fields(a.budgeted),
         )
         return Assembly(a.cache, logits, report)
 
@@ -274,10 +275,13 @@ class SpanCache:
         layout = a.layout
         t0 = time.perf_counter()
         run = torch.isin(layout.slots, torch.cat([a.recompute, layout.computed]))
+        stale = a.cache.k[:, :, a.recompute].clone() if a.recompute.numel() else None
         a.logits = self.engine.forward(
             a.cache, layout.ids[run], positions=layout.positions[run], slots=layout.slots[run],
             segment=layout.segments[run],
         )
+        if stale is not None:
+            a.shift = key_shift(stale, a.cache.k[:, :, a.recompute])
         a.compute_ms = (time.perf_counter() - t0) * 1e3
         assert a.logits is not None
 
@@ -321,6 +325,7 @@ class SpanCache:
             compile_ms=got.compile_ms,
             total_ms=(time.perf_counter() - a.t_start) * 1e3,
             estimated_deviation=a.estimated_deviation,
+            recompute_shift=a.shift,
             recomputed_slots=tuple(recompute.tolist()),
             exact_tokens=sum(len(a.plan.items[i].span.token_ids) for i in got.exact),
             **_budget_fields(a.budgeted),
@@ -329,5 +334,5 @@ class SpanCache:
 
 def _budget_fields(b: Resolved | None) -> dict:
     return {} if b is None else {"fidelity_budget": b.budget, "profile": b.profile, "band": b.band,
-                                 "fidelity_gate": b.max_deviation}
+                                 "tail_gate": b.tail_gate}
 

@@ -24,15 +24,18 @@ The fit is conservative, not a curve, in three ways:
   the measurement says which is faster; a setting measured
   slower than full prefill is never chosen, since full prefill is exact and faster.
 The tail is caught per request. A ratio-only setting must hold the budget on the prompts that need the
-most recompute, so a few such prompts push every request to a costlier ratio. The probe that selects the
-tokens also estimates what it left stale (the share of the question's attention still on reused tokens not
-recomputed: ``spans.recompute``), and calibrate keeps that estimate per prompt (``Point.deviation``). A
-setting that misses the budget may still qualify with a tail gate: a request whose estimate is over the
-gate runs as a full prefill (exact), and the gate is the loosest under which the answer KL bound, with the
-gated prompts counted as exact, holds the budget (the same split-conformal bound: a binary miss is
-monotone in the gate, so the bound holds for the gate chosen on the data, conformal risk control's
-argument). The gate costs its full prefills, so a gated setting competes on its expected speedup
-(``Qualified.speedup``); when the estimate does not track the answer KL, no gate pays and none is chosen.
+most recompute, so a few such prompts push every request to a costlier ratio. Each request measures, for
+free, how far its recompute moved the keys it recomputed (``ReuseReport.recompute_shift``: the mean
+relative change of K at the recomputed tokens, over layers and KV heads): a prompt whose recomputed tokens
+moved far is one whose stale tokens are likely off too. Calibrate keeps it per prompt (``Point.shift``). A
+setting that misses the budget may still qualify with a tail gate: a request whose shift is over the gate
+runs as a full prefill instead (exact), and the gate is the loosest under which the answer KL bound, with
+the gated prompts counted exact, holds the budget (the same split-conformal bound: a miss is monotone in
+the gate, so the bound holds for the gate chosen on the data, conformal risk control's argument). The
+gate costs its full prefills (after the reuse it replaces), so a gated setting competes on its expected
+speedup (``Qualified.speedup``); where the shift does not track the answer KL, no gate pays and none is
+chosen. (The probe's own estimate, the query's attention left on stale KV, did not track it on
+Qwen2.5-0.5B: docs/benchmarks.md, "Catching the tail per request".)
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
 dtype is refused (``CalibrationError``), never used; so is one whose values are out of range (a ratio above
 1, a negative probe depth, an answer KL that is not a finite number >= 0, ...): the file is checked field by
@@ -96,10 +99,9 @@ class Point:
     tf_agreement: tuple[float, ...]  # per prompt: teacher-forced agreement with it
     speedup: float  # median TTFT of same-dtype full prefill over this setting's
     probe_layers: int | None = None  # the probe's depth (0: all layers); None: the profile's ``probe_layers``
-    # per prompt: the probe's estimate of what this setting left stale (the share of the query's attention
-    # mass on reused tokens not recomputed, ``ReuseReport.estimated_deviation``); empty where the setting
-    # runs no probe (ratio 0) or the profile predates it
-    deviation: tuple[float, ...] = ()
+    # per prompt: how far this setting's recompute moved the keys it recomputed (``ReuseReport.
+    # recompute_shift``), the tail gate's signal; empty where the profile predates it
+    shift: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +118,9 @@ class Choice:
     options: ReuseOptions  # the setting to run (policy "full" when none is within the budget)
     band: str
     predicted_kl: float  # the chosen setting's answer KL bound at the profile's quantile (0 for full prefill)
-    # the tail gate: a request whose probe leaves more than this share of the query's attention on stale
-    # KV (``ReuseReport.estimated_deviation``) runs as a full prefill instead; None: no gate
-    max_deviation: float | None = None
+    # the tail gate: a request whose recompute moved the keys it recomputed further than this
+    # (``ReuseReport.recompute_shift``) runs as a full prefill instead; None: no gate
+    tail_gate: float | None = None
     expected_speedup: float = 1.0  # the setting's measured speedup, less what its gate's full prefills cost
 
 
@@ -134,9 +136,9 @@ class Qualified:
 
 
 def gated(point: Point, gate: float) -> tuple[float, ...]:
-    """The point's per-prompt answer KL with its tail gate at ``gate``: a prompt whose probe estimate is over
-    the gate runs as a full prefill, the reference itself (KL 0)."""
-    return tuple(0.0 if d > gate else k for k, d in zip(point.answer_kl, point.deviation))
+    """The point's per-prompt answer KL with its tail gate at ``gate``: a prompt whose shift is over the gate
+    runs as a full prefill, the reference itself (KL 0)."""
+    return tuple(0.0 if d > gate else k for k, d in zip(point.answer_kl, point.shift))
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,7 @@ class CalibrationProfile:
     def qualifying(self, budget: float, band: Band) -> list[Qualified]:
         """The settings of ``band`` that hold ``budget``: a point whose answer KL bound (``upper_bound`` at
         ``quantile``) is within it, it and every costlier point of its probe depth, runs ungated; a point
-        that does not, but measured its probe's estimate per prompt (``Point.deviation``), qualifies with the
+        that does not, but measured its recompute's shift per prompt (``Point.shift``), qualifies with the
         loosest tail gate under which it and every costlier point of its depth hold the budget, a prompt
         over the gate counted as a full prefill (answer KL 0: ``gated``)."""
         out = []
@@ -181,11 +183,11 @@ class CalibrationProfile:
                 if all(upper_bound(x.answer_kl, self.quantile) <= budget for x in rest):
                     out.append(Qualified(p, upper_bound(p.answer_kl, self.quantile), None, p.speedup))
                     continue
-                if not all(x.deviation for x in rest):
+                if not all(x.shift for x in rest):
                     continue
-                for gate in sorted(set(p.deviation), reverse=True):  # the loosest gate first
+                for gate in sorted(set(p.shift), reverse=True):  # the loosest gate first
                     if all(upper_bound(gated(x, gate), self.quantile) <= budget for x in rest):
-                        share = sum(d > gate for d in p.deviation) / len(p.deviation)
+                        share = sum(d > gate for d in p.shift) / len(p.shift)
                         out.append(Qualified(p, upper_bound(gated(p, gate), self.quantile), gate,
                                              1.0 / (1.0 / p.speedup + share)))
                         break
@@ -267,7 +269,7 @@ class _PointFile(_Checked):
     tf_agreement: list[float] = Field(min_length=1)
     speedup: float = Field(gt=0.0)
     probe_layers: int | None = Field(default=None, ge=0)
-    deviation: list[float] = Field(default_factory=list)
+    shift: list[float] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _per_prompt(self) -> _PointFile:
@@ -277,10 +279,10 @@ class _PointFile(_Checked):
             raise ValueError("tf_agreement holds a value outside [0, 1]")
         if len(self.tf_agreement) != len(self.answer_kl):
             raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.tf_agreement)} tf_agreement")
-        if self.deviation and len(self.deviation) != len(self.answer_kl):
-            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.deviation)} deviation")
-        if any(not 0.0 <= d <= 1.0 for d in self.deviation):
-            raise ValueError("deviation holds a value outside [0, 1]")
+        if self.shift and len(self.shift) != len(self.answer_kl):
+            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.shift)} shift")
+        if any(d < 0 for d in self.shift):
+            raise ValueError("shift holds a negative value")
         return self
 
 
@@ -305,7 +307,7 @@ class _ProfileFile(_Checked):
 
     def profile(self) -> CalibrationProfile:
         bands = tuple(Band(b.name, b.context_tokens, tuple(
-            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.deviation))
+            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.shift))
             for p in b.points))
             for b in self.bands)
         return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,

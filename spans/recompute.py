@@ -56,6 +56,14 @@ class Selection:
     estimated_deviation: float | None = None
 
 
+def key_shift(stale: torch.Tensor, fresh: torch.Tensor) -> float:
+    """How far recomputing moved tokens' keys: the mean over layers, KV heads and tokens of
+    ||K_fresh - K_stale|| / ||K_stale||, both ``(layers, kv_heads, tokens, head_dim)``. The tail gate's
+    signal (``spans.calibration``): the recomputed tokens stand for the stale ones beside them."""
+    stale, fresh = stale.float(), fresh.float()
+    return round(float(((fresh - stale).norm(dim=-1) / stale.norm(dim=-1).clamp_min(1e-6)).mean()), 6)
+
+
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Attention weights in float32 as a probe sees them: q (H, rows, D), k (Hkv, T, D) shared by groups
     of heads, mask (rows, T) bool or None -> (H, rows, T)."""

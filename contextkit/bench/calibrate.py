@@ -19,9 +19,9 @@ Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set
 Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
 is held to; tf_agreement; speedup vs full prefill in the same run);
 summary: per band, the ratio, probe depth and tail gate each budget in ``BUDGETS`` (also ``bench spans``'
-budget rows) would choose, and its expected speedup (the gate's full prefills counted). Per row, the probe's
-estimate per prompt (``Point.deviation``) against the answer KL: ``deviation_kl_rank_corr``, whether the
-estimate can tell the tail (the gate's premise).
+budget rows) would choose, and its expected speedup (the gate's full prefills counted). Per row, the
+recompute's key shift per prompt (``Point.shift``) against the answer KL: ``shift_kl_rank_corr``, whether
+the shift can tell the tail (the gate's premise).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ Setting = tuple[int, float]  # (probe depth, ratio)
 
 def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tuple[Setting, ...],
               answer_tokens: int) -> tuple[float, dict[Setting, tuple[float, float, float, float | None]]]:
-    """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT, the probe's
-    estimated deviation) against it."""
+    """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT, the recompute's
+    key shift: the tail gate's signal) against it."""
     for it in plan.items[:-1]:
         cache.compiled(it.span)
     engine = cache.engine
@@ -102,7 +102,7 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tup
         asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
         ms = (time.perf_counter() - t0) * 1e3
         f = compare(ref, engine, asm.cache, asm.logits)
-        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms, asm.report.estimated_deviation)
+        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms, asm.report.recompute_shift)
     return full_ms, out
 
 
@@ -119,13 +119,13 @@ def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, to
     full = median(full_ms)
     points = tuple(Point(r, tuple(round(m[0], 6) for m in per[(d, r)]), tuple(round(m[1], 4) for m in per[(d, r)]),
                          round(full / median([m[2] for m in per[(d, r)]]), 3), probe_layers=d,
-                         deviation=_deviations([m[3] for m in per[(d, r)]])) for d, r in settings)
+                         shift=_shifts([m[3] for m in per[(d, r)]])) for d, r in settings)
     return Band(name, int(median([p.num_tokens for _, p in chosen])), points)
 
 
-def _deviations(values: list[float | None]) -> tuple[float, ...]:
-    """Per prompt, the probe's estimate (empty when a setting ran no probe, as at ratio 0)."""
-    return () if any(v is None for v in values) else tuple(round(min(max(v, 0.0), 1.0), 6) for v in values)
+def _shifts(values: list[float | None]) -> tuple[float, ...]:
+    """Per prompt, the recompute's key shift (empty when a prompt recomputed nothing)."""
+    return () if any(v is None for v in values) else tuple(round(v, 6) for v in values)
 
 
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
@@ -185,9 +185,9 @@ def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
              "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares
              "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup,
-             # does the probe's estimate track the answer KL (the tail gate's premise)? Spearman's rho
-             "deviation_p50": round(median(p.deviation), 4) if p.deviation else None,
-             "deviation_kl_rank_corr": _rank_corr(p.deviation, p.answer_kl) if p.deviation else None}
+             # does the recompute's key shift track the answer KL (the tail gate's premise)? Spearman's rho
+             "shift_p50": round(median(p.shift), 4) if p.shift else None,
+             "shift_kl_rank_corr": _rank_corr(p.shift, p.answer_kl) if p.shift else None}
             for b in profile.bands for p in b.points]
 
 
@@ -222,6 +222,6 @@ def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
             full = c.options.policy == "full"
             out[band_key(f"ratio_at_{budget}", b.name)] = "full" if full else c.options.ratio
             out[band_key(f"probe_layers_at_{budget}", b.name)] = None if full else c.options.probe_layers
-            out[band_key(f"gate_at_{budget}", b.name)] = c.max_deviation  # the tail gate (None: none)
+            out[band_key(f"gate_at_{budget}", b.name)] = c.tail_gate  # the tail gate (None: none)
             out[band_key(f"expected_speedup_at_{budget}", b.name)] = 1.0 if full else c.expected_speedup
     return out

@@ -141,7 +141,10 @@ class ReuseReport:
     recomputed_slots: tuple[int, ...] = ()
     exact_tokens: int = 0  # reused tokens of an exact prefix (computed before after the same prefix)
     probe_layers: int | None = None  # query_attention: the probe's depth (0: all layers); None otherwise
-    # policy="budget": the probe's estimate was over the profile's tail gate (``fidelity_gate``), so the
-    # request ran as a full prefill after it (``policy`` "full"; the estimate and the probe's time kept)
+    # the mean relative change of K at the recomputed tokens (over layers and KV heads): how far recomputing
+    # moved them, the tail gate's signal (None: nothing recomputed)
+    recompute_shift: float | None = None
+    # policy="budget": the shift was over the profile's tail gate (``tail_gate``), so the request ran as a
+    # full prefill after its reuse (``policy`` "full"; the shift and the reuse's times kept)
     escalated: bool = False
-    fidelity_gate: float | None = None
+    tail_gate: float | None = None

@@ -214,9 +214,9 @@ class Resolved:
     budget: float
     profile: str  # the profile's id, or "none": no profile, the built-in fallback ran
     band: str | None
-    # the profile's tail gate for this setting: a request whose probe estimates more than this share of
-    # the query's attention left on stale KV runs as a full prefill (spans.calibration); None: no gate
-    max_deviation: float | None = None
+    # the profile's tail gate for this setting: a request whose recompute moved the keys it recomputed
+    # further than this (``ReuseReport.recompute_shift``) runs as a full prefill (spans.calibration)
+    tail_gate: float | None = None
 
 
 def resolve_budget(opts: ReuseOptions, profile: Chooser | None, tokens: int) -> Resolved:
@@ -231,7 +231,7 @@ def resolve_budget(opts: ReuseOptions, profile: Chooser | None, tokens: int) -> 
     c = choice.options
     chosen = replace(opts, policy=c.policy, ratio=c.ratio, max_recompute=c.max_recompute, first_k=c.first_k,
                      probe_layers=c.probe_layers, fidelity_budget=None)
-    return Resolved(chosen, opts.budget, profile.id, choice.band, choice.max_deviation)
+    return Resolved(chosen, opts.budget, profile.id, choice.band, choice.tail_gate)
 
 
 class Budgets:

@@ -52,7 +52,7 @@ class RequestState:
     span_saved: bool = False
     loaded_tokens: int = 0
     repair: ReuseOptions | None = None  # pic with recompute: the setting resolved for this request
-    gate: float | None = None  # policy="budget": the profile's tail gate for that setting (RepairPlan)
+    tail_gate: float | None = None  # policy="budget": the profile's tail gate for that setting (RepairPlan)
     report: dict = field(default_factory=dict)  # how it was resolved (policy, ratio, profile, band)
     recomputed_tokens: int = 0
     context_saved: set = field(default_factory=set)  # pic: missing spans saved out of this request

@@ -30,10 +30,10 @@ class RepairPlan:
     ids: tuple[int, ...]
     probe_layers: int
     check_layer: int
-    # the calibration profile's tail gate for the budget's setting (``core.policy.Resolved``): a selection
-    # whose probe leaves more than this share of the question's attention on stale KV is not repaired,
-    # vLLM computes the region in full (``repair.TailEscalated``); None: no gate
-    max_deviation: float | None = None
+    # the calibration profile's tail gate for the budget's setting (``core.policy.Resolved``): a repair
+    # that moved the keys it recomputed further than this is not written, vLLM computes the region in full
+    # (``repair.TailEscalated``); None: no gate
+    tail_gate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,8 +44,9 @@ class RepairUnsupported(Exception):
 
 
 class TailEscalated(Exception):
-    """The selection's probe estimate is over the profile's tail gate (``RepairPlan.max_deviation``): the
-    request looks like the tail its setting does not hold the budget on, so vLLM computes the region."""
+    """The repair moved the keys it recomputed further than the profile's tail gate (``RepairPlan.tail_gate``,
+    ``spans.recompute.key_shift``): the request looks like the tail its setting does not hold the budget on,
+    so nothing is written and vLLM computes the region."""
 
 
 class Repairer:
@@ -102,7 +103,7 @@ class Repairer:
             k, v: the region's re-rotated K and V, ``(layers, tokens, kv_heads, head_size)``: overwritten
                 with the repaired KV.
         """
-        from contextkit.spans.recompute import Layout, select
+        from contextkit.spans.recompute import Layout, key_shift, select
 
         engine = self.engine()
         ids = torch.tensor(plan.ids, dtype=torch.long)
@@ -128,15 +129,15 @@ class Repairer:
                             item_slots=pieces, candidates=pool, computed=query, query=query)
             picked = select(engine, cache, layout, _options(plan, pool.numel()))
             cache.truncate(end)
-            gate, estimate = plan.max_deviation, picked.estimated_deviation
-            if gate is not None and estimate is not None and estimate > gate:
-                raise TailEscalated(f"the probe left {estimate:.4f} of the question's attention on stale KV, over "
-                                    f"the profile's gate {gate:.4f}")
             chosen = torch.cat([chosen, picked.slots])
         chosen = chosen.unique()  # sorted: the chunks go in position order (module docstring)
+        stale = cache.k[:, :, chosen].clone() if plan.tail_gate is not None and chosen.numel() else None
         for at in range(0, chosen.numel(), self.chunk_tokens):
             part = chosen[at : at + self.chunk_tokens]
             engine.forward(cache, ids[part], positions=part, slots=part, logits="none")
+        if stale is not None and (shift := key_shift(stale, cache.k[:, :, chosen])) > plan.tail_gate:
+            raise TailEscalated(f"the repair moved the recomputed keys by {shift:.4f}, over the profile's tail gate "
+                                f"{plan.tail_gate:.4f}")
         k.copy_(cache.k[:, :, start:end].transpose(1, 2))
         v.copy_(cache.v[:, :, start:end].transpose(1, 2))
         return int(chosen.numel())

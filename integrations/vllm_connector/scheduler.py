@@ -114,8 +114,8 @@ class ConnectorScheduler:
         st.report = {"policy": got.options.policy, "fidelity_budget": got.budget, "profile": got.profile}
         if got.band is not None:
             st.report["band"] = got.band
-        if got.max_deviation is not None:
-            st.gate = st.report["fidelity_gate"] = got.max_deviation
+        if got.tail_gate is not None:
+            st.tail_gate = st.report["tail_gate"] = got.tail_gate
         if got.options.policy != "full":
             st.repair = got.options
 
@@ -224,7 +224,7 @@ class ConnectorScheduler:
         probe_end = len(st.ids) if p_end is None else max(end + 1, min(p_end, len(st.ids)))
         st.recomputed_tokens += need.tokens
         return RepairPlan(r.policy, need.count, need.sinks, need.moved, tuple(st.ids[:probe_end]), r.probe_layers,
-                          r.check_layer, st.gate)
+                          r.check_layer, st.tail_gate)
 
     def _plan_saves(self, st: RequestState, done: int, meta: ConnectorMeta) -> None:
         """Saves of what this step completes: exact blocks (not for pic: its KV is approximate), for a

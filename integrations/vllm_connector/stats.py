@@ -23,8 +23,8 @@ COUNTERS = {
     "repairs": "pic loads whose selected tokens were recomputed in their new context before vLLM read them",
     "repaired_tokens": "tokens those repairs recomputed",
     "repair_failures": "repairs that raised: the span region was left to vLLM to compute in full",
-    "tail_escalations": "repairs not run because the probe read the request as the tail of its budget's setting "
-                        "(the profile's gate): the span region was left to vLLM to compute in full",
+    "tail_escalations": "repairs not written because they moved the recomputed keys past the profile's tail gate "
+                        "(the request looked like its setting's tail): the span region was left to vLLM in full",
     "repair_ms": "milliseconds the worker spent repairing (divide by repairs: per request)",
     "dropped_saves": "saves dropped because the save queue was full (the least worth first) or the store refused them",
     "policy_fallbacks": "requests whose recompute setting could not be resolved (a bad value or profile): run as exact "

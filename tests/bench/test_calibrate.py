@@ -34,9 +34,9 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     profile = CalibrationProfile.load(profile_file, model_digest=digest, dtype="float32")
     assert profile.id == f"{digest[:12]}-float32" and profile.bands[0].name == "1.5k"
     assert len(profile.bands[0].points[0].answer_kl) == 1
-    # the probe's estimate per prompt, for the tail gate: kept where the setting ran a probe (not ratio 0)
-    assert [len(p.deviation) for p in profile.bands[0].points] == [0, 1, 1]
-    assert all(0.0 <= d <= 1.0 for p in profile.bands[0].points for d in p.deviation)
+    # the recompute's key shift per prompt, the tail gate's signal (ratio 0 recomputes the sinks)
+    assert [len(p.shift) for p in profile.bands[0].points] == [1, 1, 1]
+    assert all(d > 0 for p in profile.bands[0].points for d in p.shift)
     assert profile.machine == machine_class()  # where its speedups were measured
 
     # re-timed on "another machine": the fidelity kept, the speedups measured again, this machine recorded
@@ -50,7 +50,7 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     retimed = CalibrationProfile.load(retimed_file, model_digest=digest, dtype="float32")
     assert retimed.machine == machine_class()
     for before, after in zip(profile.bands[0].points, retimed.bands[0].points):
-        assert (after.ratio, after.answer_kl, after.deviation) == (before.ratio, before.answer_kl, before.deviation)
+        assert (after.ratio, after.answer_kl, after.shift) == (before.ratio, before.answer_kl, before.shift)
         assert after.speedup > 0
     # another model's weights, or the same weights in another dtype: refused, never used
     with pytest.raises(CalibrationError, match="other weights"):

@@ -220,7 +220,7 @@ def test_a_profile_with_a_value_out_of_range_is_refused_naming_the_field(tmp_pat
 _JSONISH = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True),
                      st.text(max_size=3), st.lists(st.floats(-1, 2), max_size=3))
 _FIELDS = [("ratio",), ("answer_kl",), ("answer_kl", 0), ("tf_agreement", 1), ("speedup",), ("probe_layers",),
-           ("deviation",)]
+           ("shift",)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -245,7 +245,7 @@ def test_whatever_a_profile_holds_it_is_refused_at_load_or_chooses_without_raisi
         return
     choice = profile.choose(budget, tokens)  # what the connector's scheduler calls: never raises
     assert choice.options.policy in ("full", "query_attention") and 0.0 <= choice.options.ratio <= 1.0
-    assert choice.max_deviation is None or 0.0 <= choice.max_deviation <= 1.0
+    assert choice.tail_gate is None or choice.tail_gate >= 0.0
 
 
 def test_budget_options_check_their_range_and_policy():

@@ -1,4 +1,4 @@
-"""The tail gate: a budget's setting that misses on a few prompts qualifies when its probe's estimate
+"""The tail gate: a budget's setting that misses on a few prompts qualifies when its recompute's key shift
 catches them (they run as full prefill), and only when that is expected to be faster."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ N = 19  # at quantile 0.9 one prompt of 19 may miss the budget (the bound is the
 
 
 def _point(ratio: float, kl: list[float], dev: list[float] | None, speedup: float) -> Point:
-    return Point(ratio, tuple(kl), tuple(1.0 - min(k, 1.0) for k in kl), speedup, deviation=tuple(dev or ()))
+    return Point(ratio, tuple(kl), tuple(1.0 - min(k, 1.0) for k in kl), speedup, shift=tuple(dev or ()))
 
 
 def _profile(*points: Point, q: float = 0.9) -> CalibrationProfile:
@@ -26,7 +26,7 @@ def _profile(*points: Point, q: float = 0.9) -> CalibrationProfile:
                               bands=(Band("1.5k", 1500, points),))
 
 
-# r=0.1: two prompts of 19 in the tail (KL 0.4), and its probe left the most stale attention on exactly those
+# r=0.1: two prompts of 19 in the tail (KL 0.4), and its recompute moved the keys most on exactly those
 TAIL = [0.03] * 17 + [0.4, 0.4]
 TRACKED = [0.10] * 17 + [0.30, 0.25]
 CHEAP = _point(0.1, TAIL, TRACKED, speedup=4.0)
@@ -38,30 +38,30 @@ def test_a_setting_whose_tail_the_probe_tracks_runs_gated_and_faster():
     c = p.choose(0.1, 1500)
     # ungated, r=0.1 misses on two prompts where one is allowed: the loosest gate that holds the budget,
     # 0.25, sends one of them to full prefill
-    assert (c.options.ratio, c.max_deviation) == (0.1, 0.25)
+    assert (c.options.ratio, c.tail_gate) == (0.1, 0.25)
     assert gated(CHEAP, 0.25) == (0.03,) * 17 + (0.0, 0.4)
     assert c.predicted_kl == pytest.approx(0.03)  # the bound with the gated prompt counted as exact
     assert c.expected_speedup == pytest.approx(1 / (1 / 4.0 + 1 / 19), abs=1e-3)  # > r=0.3's 2.0x
     # the gate loosest first: a tail of one prompt is within the bound's margin, no gate at all
     one = dataclasses.replace(CHEAP, answer_kl=tuple([0.03] * 18 + [0.4]))
-    assert _profile(one, COSTLY).choose(0.1, 1500).max_deviation is None
+    assert _profile(one, COSTLY).choose(0.1, 1500).tail_gate is None
     # the budget resolved for a request carries the gate to either path (serve's assembler, the connector)
     got = resolve_budget(ReuseOptions(fidelity_budget=0.1), p, 1500)
-    assert got.options.ratio == 0.1 and got.max_deviation == 0.25
+    assert got.options.ratio == 0.1 and got.tail_gate == 0.25
 
 
 def test_no_gate_is_chosen_where_the_estimate_does_not_track_the_tail():
-    blind = dataclasses.replace(CHEAP, deviation=tuple([0.2] * 17 + [0.05, 0.05]))  # the tail looks fine
+    blind = dataclasses.replace(CHEAP, shift=tuple([0.2] * 17 + [0.05, 0.05]))  # the tail looks fine
     c = _profile(blind, COSTLY).choose(0.1, 1500)
-    assert (c.options.ratio, c.max_deviation) == (0.3, None)
+    assert (c.options.ratio, c.tail_gate) == (0.3, None)
     # a gate that must send most prompts to full prefill is slower than the costlier ratio: not chosen
-    loose = dataclasses.replace(CHEAP, deviation=tuple([0.2] * 15 + [0.1, 0.1, 0.3, 0.3]))
+    loose = dataclasses.replace(CHEAP, shift=tuple([0.2] * 15 + [0.1, 0.1, 0.3, 0.3]))
     slow = dataclasses.replace(loose, answer_kl=tuple([0.03] * 15 + [0.4] * 4))
     c = _profile(slow, COSTLY).choose(0.1, 1500)
-    assert (c.options.ratio, c.max_deviation) == (0.3, None)
+    assert (c.options.ratio, c.tail_gate) == (0.3, None)
     # a profile from before the estimate was kept: no gate, as before
-    old = dataclasses.replace(CHEAP, deviation=())
-    assert _profile(old, COSTLY).choose(0.1, 1500).max_deviation is None
+    old = dataclasses.replace(CHEAP, shift=())
+    assert _profile(old, COSTLY).choose(0.1, 1500).tail_gate is None
 
 
 def test_a_gate_must_hold_the_costlier_settings_of_its_depth_too():
@@ -72,14 +72,26 @@ def test_a_gate_must_hold_the_costlier_settings_of_its_depth_too():
     assert full_only.options.policy == "full"
 
 
+def test_the_key_shift_is_the_mean_relative_change_of_the_recomputed_keys():
+    import torch
+
+    from contextkit.spans.recompute import key_shift
+
+    k = torch.randn(3, 2, 5, 8)
+    assert key_shift(k, k) == 0.0 and key_shift(k, 2 * k) == pytest.approx(1.0)
+    moved = k.clone()
+    moved[:, :, 0] = -k[:, :, 0]  # one token of five reversed: relative change 2 there
+    assert key_shift(k, moved) == pytest.approx(2 / 5)
+
+
 def test_the_estimate_round_trips_and_out_of_range_values_are_refused(tmp_path):
     p = _profile(CHEAP, COSTLY)
     path = profile_path(tmp_path, "float32")
     path.write_text(p.to_json())
     assert CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32") == p
-    for value, message in (([0.1] * 3, "deviation"), ([1.5] * N, "outside"), (["0.1"] * N, "deviation")):
+    for value, message in (([0.1] * 3, "shift"), ([-0.5] * N, "negative"), (["0.1"] * N, "shift")):
         raw = json.loads(p.to_json())
-        raw["bands"][0]["points"][0]["deviation"] = value
+        raw["bands"][0]["points"][0]["shift"] = value
         path.write_text(json.dumps(raw))
         with pytest.raises(CalibrationError, match=message):
             CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
@@ -105,9 +117,9 @@ def compiled(smol_dir, passage_text):
 
 def _gated_cache(engine, tok, store, gate: float) -> SpanCache:
     """A profile whose one setting (r=0.2) holds a 0.05 budget only with its gate at ``gate``."""
-    point = _point(0.2, [0.01] * 17 + [0.5, 0.5], [gate] * 17 + [min(1.0, 2 * gate + 1e-3)] * 2, speedup=3.0)
+    point = _point(0.2, [0.01] * 17 + [0.5, 0.5], [gate] * 17 + [2 * gate + 1e-3] * 2, speedup=3.0)
     profile = dataclasses.replace(_profile(point), model_digest=engine.fingerprint.digest)
-    assert profile.choose(0.05, 1500).max_deviation is not None
+    assert profile.choose(0.05, 1500).tail_gate == pytest.approx(gate)
     return SpanCache(engine, store=store, tokenizer_fingerprint=tok.fingerprint, profile=profile)
 
 
@@ -116,18 +128,18 @@ def test_a_request_over_the_gate_runs_as_full_prefill_and_says_so(compiled):
     budget = dataclasses.replace(plan, options=ReuseOptions(fidelity_budget=0.05))
     full = plain.assemble(dataclasses.replace(plan, options=ReuseOptions(policy="full")))
 
-    strict = _gated_cache(engine, tok, plain.store, gate=0.0)  # any stale attention at all is over it
+    strict = _gated_cache(engine, tok, plain.store, gate=0.0)  # any move at all is over it
     got = strict.assemble(budget)
     r = got.report
     assert r.escalated and r.policy == "full" and r.reused_tokens == 0 and r.recomputed_tokens == 0
-    assert r.estimated_deviation is not None and r.estimated_deviation > r.fidelity_gate == 0.0
-    assert r.hits == len(plan.items) - 1 and r.select_ms > 0  # the fetch and the probe ran first
+    assert r.recompute_shift is not None and r.recompute_shift > r.tail_gate == 0.0
+    assert r.hits == len(plan.items) - 1 and r.select_ms > 0  # the fetch and the reuse ran first
     assert torch_equal(got.logits, full.logits)  # the same prefill of the same tokens: the reference
 
-    loose = _gated_cache(engine, tok, plain.store, gate=0.99)
+    loose = _gated_cache(engine, tok, plain.store, gate=50.0)  # a relative change of 50x: never
     r = loose.assemble(budget).report
     assert not r.escalated and r.policy == "query_attention" and r.recomputed_tokens > 0
-    assert r.estimated_deviation <= r.fidelity_gate == pytest.approx(0.99)
+    assert 0 < r.recompute_shift <= r.tail_gate == pytest.approx(50.0)
 
 
 def torch_equal(a, b) -> bool:

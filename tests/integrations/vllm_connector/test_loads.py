@@ -119,22 +119,22 @@ def test_a_repair_that_cannot_run_leaves_the_span_region_to_vllm(worker, gemma_d
 
 
 def test_a_load_over_the_tail_gate_is_left_to_vllm_and_counted_as_an_escalation(worker, monkeypatch):
-    """The repairer's ``TailEscalated`` (the probe read the request as its setting's tail): the region's
+    """The repairer's ``TailEscalated`` (the repair read the request as its setting's tail): the region's
     blocks are reported to vLLM, nothing of it written, counted as a tail escalation, not a failure."""
     from contextkit.integrations.vllm_connector.metadata import RepairPlan
     from contextkit.integrations.vllm_connector.repair import Repairer, TailEscalated
 
     class OverTheGate(Repairer):  # the real class; its run stops where the gate stops it
         def run(self, plan, **_):
-            raise TailEscalated(f"the probe left 0.4 of the question's attention on stale KV, over "
-                                f"{plan.max_deviation}")
+            raise TailEscalated(f"the repair moved the recomputed keys by 0.9, over the profile's tail gate "
+                                f"{plan.tail_gate}")
 
     worker._repairer = OverTheGate(model_dir="unused", dtype="bfloat16")
     ids = list(range(9000, 9000 + 3 * BS))
     table = (2, 8, 10)
     span, _, _ = _stored(worker, "tg", ids[BS:], seed=400)
     before = _cache_kv(worker, slots_of(list(table), BS, BS, 3 * BS))
-    plan = RepairPlan("query_attention", 10, (BS, BS + 1), ((BS, 2 * BS, 0),), tuple(ids), 8, 1, max_deviation=0.2)
+    plan = RepairPlan("query_attention", 10, (BS, BS + 1), ((BS, 2 * BS, 0),), tuple(ids), 8, 1, tail_gate=0.2)
     op = LoadOp("r", BS, 3 * BS, (Piece(span, 0, 2 * BS, BS, tuple(ids[BS:]), shift=BS),), table, plan)
     worker.start_load_kv(ConnectorMeta(loads=[op]))
     assert worker.get_block_ids_with_load_errors() == {8, 10}

@@ -133,17 +133,17 @@ def test_the_repair_runs_in_chunks_of_rows_and_gives_the_kv_of_one_forward(smol_
 
 
 def test_a_selection_over_the_profiles_gate_is_not_repaired(smol_dir, prompt):
-    """The tail gate (``RepairPlan.max_deviation``, from the calibration profile): a selection whose probe
-    leaves more of the question's attention on stale KV than the gate raises ``TailEscalated`` before
-    recomputing anything (the worker leaves the region to vLLM); under a gate it holds, it repairs."""
+    """The tail gate (``RepairPlan.tail_gate``, from the calibration profile): a repair that moved the keys it
+    recomputed further than the gate raises ``TailEscalated`` with nothing written back (the worker leaves
+    the region to vLLM); under a gate it holds, it repairs."""
     import dataclasses
 
     repairer = Repairer(model_dir=smol_dir, dtype="bfloat16")
     ids, full, start, end, prefix, k, v, pieces = _setup(repairer.engine(), prompt)
     k0, v0 = k.clone(), v.clone()
     plan = _plan(ids, pieces, ratio=0.2)
-    with pytest.raises(TailEscalated, match="over the profile's gate 0.0000"):
-        repairer.run(dataclasses.replace(plan, max_deviation=0.0), start=start, end=end, prefix=prefix, k=k, v=v)
+    with pytest.raises(TailEscalated, match="over the profile's tail gate 0.0000"):
+        repairer.run(dataclasses.replace(plan, tail_gate=0.0), start=start, end=end, prefix=prefix, k=k, v=v)
     assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing written
-    n = repairer.run(dataclasses.replace(plan, max_deviation=1.0), start=start, end=end, prefix=prefix, k=k, v=v)
+    n = repairer.run(dataclasses.replace(plan, tail_gate=50.0), start=start, end=end, prefix=prefix, k=k, v=v)
     assert n == len(plan.sinks) + plan.count and not torch.equal(k, k0)
