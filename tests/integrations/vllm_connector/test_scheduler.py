@@ -279,3 +279,18 @@ def test_a_request_of_another_wire_version_runs_as_exact_reuse_and_is_counted(st
     assert out["mode"] == "exact" and "recompute" not in out and out["v"] == PROTOCOL_VERSION
     assert any("req-v2" in m and "same contextkit release" in m for m in caplog.messages)
     assert sched.counters.take().data["wire_mismatches"] == 1
+
+
+def test_a_gated_budget_carries_its_tail_gate_to_the_worker_and_the_report(store, tmp_path):
+    """policy="budget" resolved by a profile whose setting holds the budget only with a tail gate: the step's
+    repair plan carries the gate (the worker escalates past it) and the request's report names it."""
+    kl = (0.01,) * 17 + (0.5, 0.5)
+    point = Point(0.2, kl, tuple(1 - k for k in kl), 3.0, probe_layers=0, shift=(0.3,) * 17 + (0.9, 0.9))
+    profile = CalibrationProfile("ab" * 32, "bfloat16", 0.9, 32, "hand-made", (Band("short", 170, (point,)),))
+    assert profile.choose(0.05, 170).tail_gate == 0.3
+    sched = _scheduler(store, tmp_path, None, profile=profile)
+    req = _request("g1", ReuseOptions(fidelity_budget=0.05))
+    loaded, meta = _schedule(sched, [req])
+    assert loaded == [128] and meta.loads[0].repair.tail_gate == 0.3
+    report = _report(sched, req)["recompute"]
+    assert report["tail_gate"] == 0.3 and report["policy"] == "query_attention" and report["ratio"] == 0.2
