@@ -336,6 +336,7 @@ class _Answer:
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
                 "probe_layers": rep.probe_layers,
                 "fidelity_budget": rep.fidelity_budget, "profile": rep.profile, "band": rep.band,
+                "tail_gate": rep.tail_gate, "escalated": rep.escalated,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
 
     async def whole(self, job: Job, request: Request, route: str) -> Response:

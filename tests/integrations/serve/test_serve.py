@@ -96,7 +96,7 @@ def test_documents_become_spans_reused_by_the_next_request(served, repo):
     # machine) by the built-in fallback
     assert want.options.policy == "budget" and ext2["fidelity_budget"] == want.options.budget
     if kit.spans.profile is None:
-        assert (ext2["profile"], ext2["band"]) == ("none", None)
+        assert (ext2["profile"], ext2["band"], ext2["tail_gate"], ext2["escalated"]) == ("none", None, None, False)
         assert (ext2["policy"], ext2["ratio"]) == (want.options.fallback().policy, want.options.fallback().ratio)
     else:
         assert ext2["profile"] == kit.spans.profile.id and ext2["band"] is not None
