@@ -203,7 +203,8 @@ class Chooser(Protocol):
 
     id: str
 
-    def choose(self, budget: float, context_tokens: int): ...  # -> spans.calibration.Choice
+    # -> spans.calibration.Choice: its ``options``, ``band`` and ``tail_gate`` are read
+    def choose(self, budget: float, context_tokens: int): ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,7 @@ def test_the_connectors_part_of_a_setting_and_its_salt_variant():
 class _Choice:
     options: ReuseOptions
     band: str
+    tail_gate: float | None = 0.4
 
 
 class _Profile:
@@ -82,7 +83,8 @@ def test_budget_resolves_to_the_profiles_choice_or_the_built_in_default():
     assert profile.asked == [(0.05, 1400)]
     assert (got.options.policy, got.options.ratio, got.options.max_recompute, got.options.probe_layers) == (
         "query_attention", 0.1, None, 4)
-    assert (got.profile, got.band) == ("profile-1", "long")
+    assert (got.profile, got.band, got.tail_gate) == ("profile-1", "long", 0.4)  # the gate goes with the setting
+    assert none.tail_gate is None
     assert resolve_budget(ReuseOptions(), _Profile(ReuseOptions(policy="full")), 9).options.policy == "full"
     assert resolve_budget(ReuseOptions(), None, 9).budget == 0.1  # DEFAULT_FIDELITY_BUDGET
     with pytest.raises(ConfigError, match="budget"):
