@@ -204,10 +204,12 @@ class CalibrationProfile:
         if fastest < 1.0:
             return Choice(ReuseOptions(policy="full"), band.name, 0.0)
         best = min((q for q in ok if q.speedup >= fastest / SPEED_TIE), key=lambda q: (q.bound, -q.speedup))
-        point = best.point
-        opts = ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None,
-                            first_k=self.first_k, probe_layers=self.depth(point))
-        return Choice(opts, band.name, round(best.bound, 6), best.gate, round(best.speedup, 3))
+        return Choice(self.options(best.point), band.name, round(best.bound, 6), best.gate, round(best.speedup, 3))
+
+    def options(self, point: Point) -> ReuseOptions:
+        """The setting a request runs when ``point`` is chosen (uncapped, with the profile's sinks)."""
+        return ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None, first_k=self.first_k,
+                            probe_layers=self.depth(point))
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)

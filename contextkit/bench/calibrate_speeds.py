@@ -12,13 +12,12 @@ with this machine (``core.config.machine_class``), to ``--set out=`` or over the
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any
 
 from contextkit.bench.bands import choose_questions
 from contextkit.bench.data import load_records, shared_half, split
-from contextkit.bench.harness import BenchContext, BenchResult, Tick, median
+from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, time_ms
 from contextkit.core.config import machine_class
 from contextkit.core.models import resolve_model_dir
 from contextkit.core.plan import RequestPlan
@@ -27,19 +26,11 @@ from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
-from contextkit.spans.calibration import Band, CalibrationProfile, Point, profile_path
+from contextkit.spans.calibration import Band, CalibrationProfile, profile_path
 
 
 def _timed(cache: SpanCache, plan: RequestPlan, options: ReuseOptions) -> float:
-    t0 = time.perf_counter()
-    cache.assemble(dataclasses.replace(plan, options=options), extra_capacity=1)
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _options(profile: CalibrationProfile, point: Point) -> ReuseOptions:
-    """The setting a budget runs for ``point`` (``CalibrationProfile.choose``)."""
-    return ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None, first_k=profile.first_k,
-                        probe_layers=profile.depth(point))
+    return time_ms(lambda: cache.assemble(dataclasses.replace(plan, options=options), extra_capacity=1), 1)[0]
 
 
 def _band(profile: CalibrationProfile, band: Band, chosen: list, cache: SpanCache, tick: Tick) -> Band:
@@ -51,7 +42,7 @@ def _band(profile: CalibrationProfile, band: Band, chosen: list, cache: SpanCach
             cache.compiled(it.span)
         full_ms.append(_timed(cache, plan, ReuseOptions(policy="full")))
         for i, point in enumerate(band.points):
-            ms[i].append(_timed(cache, plan, _options(profile, point)))
+            ms[i].append(_timed(cache, plan, profile.options(point)))
     full = median(full_ms)
     points = tuple(dataclasses.replace(p, speedup=round(full / median(ms[i]), 3)) for i, p in enumerate(band.points))
     return dataclasses.replace(band, points=points)
