@@ -29,7 +29,7 @@ from contextkit.kvstore.tiered import TieredStore, build_store
 from contextkit.ordering.weaver import Weaver
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import find_profile
-from contextkit.spans.store import KVSpanStore
+from contextkit.spans.store import CompiledSpan, KVSpanStore
 from contextkit.synthesis.skills import SkillLibrary
 
 
@@ -49,6 +49,11 @@ class KitStream:
     def prompt_ids(self) -> list[int]:
         return self._stream.prompt_ids
 
+    @property
+    def generation(self) -> Stream:
+        """The engine's stream: its cache holds the prompt's and the answer's KV (``synthesis.handles``)."""
+        return self._stream
+
     def __iter__(self) -> Iterator[str]:
         yield from self._stream
         gen = self._stream.result
@@ -58,6 +63,12 @@ class KitStream:
         self.result = gen
         if self._after is not None:
             self._after()
+
+    def then(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the answer is complete (after what is already due then), on the thread that
+        iterates: before the last delta has been handed over, so before any answer is sent."""
+        prev = self._after
+        self._after = fn if prev is None else (lambda: (prev(), fn()))
 
     def finish(self) -> Generation:
         """Run to the end (discarding deltas) and return the Generation."""
@@ -164,20 +175,21 @@ class ContextKit:
         return self.planner.plan(request, self.weaver)
 
     def run(self, plan: RequestPlan, params: SamplingParams = SamplingParams(),
-            compile_after: bool = True) -> KitStream:
+            compile_after: bool = True, provided: dict[int, CompiledSpan] | None = None) -> KitStream:
         """Start ``plan``: a plain prefill of its tokens, or the KV path when ``plan.options`` allows
         reuse. The served order is recorded for the tenant once the prompt is in place.
 
         On the KV path, documents with no KV yet are computed in the request's context (exact after an
         exact prefix, and kept as prefix links); with ``compile_after`` they are compiled position-free
         once the answer is complete, so later requests reuse them at any position (``serve`` compiles
-        them when its engine is idle instead)."""
+        them when its engine is idle instead). ``provided``: KV the caller holds for some reused items
+        (plan index -> span: a worker's kept answer, ``synthesis.handles``), used instead of the store's."""
         after = None
         if plan.options is None:
             stream = Stream(self.engine, self.tokenizer, plan.ids, params)
             report = None
         else:
-            asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1)
+            asm = self.spans.assemble(plan, extra_capacity=params.max_new_tokens + 1, provided=provided)
             stream = Stream(self.engine, self.tokenizer, plan.ids, params, cache=asm.cache, first_logits=asm.logits)
             report = asm.report
             after = self.spans.compile_pending if compile_after else None

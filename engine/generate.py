@@ -62,6 +62,7 @@ class Stream:
         self.prompt_ids = list(prompt_ids)
         self.cache = cache if cache is not None else engine.new_cache(need)
         self.result: Generation | None = None
+        self.prompt_slots: int | None = None  # cache slots the prompt fills; generated tokens' KV follows
 
     def __iter__(self) -> Iterator[str]:
         p, engine = self.params, self.engine
@@ -78,6 +79,7 @@ class Stream:
         t0 = time.perf_counter()
         logits = self.first_logits if self.first_logits is not None else engine.forward(self.cache, self.prompt_ids)
         assert logits is not None
+        self.prompt_slots = self.cache.length
         token = sample(_ban(logits[0], banned, p.min_new_tokens > 0), p, generator)
         t_first = time.perf_counter()
         while True:

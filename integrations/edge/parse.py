@@ -160,11 +160,19 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
     # the KV path (serve) reuses documents and skills as spans, and a conversation's earlier turns as an
     # exact prefix, unless told otherwise; a single-turn chat without them is a plain prefill
     turns = any(m.role in ("assistant", "tool") for m in messages)
-    wants = opts.reuse is not None or (reuse_default and bool(docs or skills or turns))
+    named = bool(opts.handles) or any(d.handle is not None for d in chat.documents or ())  # kept answers
+    wants = opts.reuse is not None or (reuse_default and bool(docs or skills or turns or named))
     reuse = reuse_options(opts.reuse) if allow_reuse and wants else None
     request = ChatRequest(messages, docs, skills, runs_as, opts.ordering, opts.block_align, reuse,
                           chat.new_tokens or default_max_tokens, documents_at=opts.documents_at)
     return chat, request
+
+
+def named_handles(chat: ChatBody) -> list[Any]:
+    """The kept answers a chat names (``contextkit.handles``, then each document's ``handle``), as sent:
+    ``synthesis.handles.splice`` reads each one or says why not."""
+    opts = chat.contextkit or ContextkitOptions()
+    return [*(opts.handles or ()), *(d.handle for d in chat.documents or () if d.handle is not None)]
 
 
 # -- responses --------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from contextkit.core.errors import ConfigError, InputError  # fmt: skip
 from contextkit.core.generation import SamplingParams
@@ -68,6 +68,9 @@ class DocumentIn(_Strict):
     text: Text = Field(min_length=1)
     title: Text | None = None
     id: Annotated[str, Field(max_length=256)] | int | None = None
+    # a kept worker answer this document's text is (serve, synthesis.handles): any JSON value is taken, a
+    # malformed one is reported and the text used (a handle never makes a request fail)
+    handle: Any = None
 
     @field_validator("text")
     @classmethod
@@ -117,6 +120,11 @@ class ContextkitOptions(_Strict):
     block_align: bool = False
     documents_at: Literal["last", "first"] = "last"  # the user message the documents open (a session: first)
     reuse: ReuseIn | None = None  # the KV path only (serve, a proxy with a connector)
+    # parallel agents over HTTP (serve; synthesis.handles): keep this answer's KV under the response id,
+    # and the handles of kept answers this request carries as text (any JSON values; the count is capped
+    # by the server's limit, a 422 past it)
+    keep: StrictBool = False
+    handles: list[Any] | None = Field(None, max_length=4096)
 
 
 class _Sampling(BaseModel):

@@ -35,18 +35,19 @@ from contextkit.core.errors import (
     http_status,
 )  # fmt: skip
 from contextkit.core.generation import SamplingParams
-from contextkit.core.planner import ChatRequest
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.edge.answers import chunk, completion, error_body, error_headers, new_id, sse, usage
 from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access
 from contextkit.integrations.edge.openapi import openapi_schema
-from contextkit.integrations.edge.parse import ClientGone, json_body, parse_chat, read_body, validate
+from contextkit.integrations.edge.parse import ClientGone, json_body, named_handles, parse_chat, read_body, validate
 from contextkit.integrations.edge.ratelimit import RateLimit, RateLimiter
 from contextkit.integrations.edge.shapes import CompletionBody
 from contextkit.integrations.serve.engine_turns import EngineThreadScheduler, Job
+from contextkit.integrations.serve.kept import KeptAnswers, Turn
 from contextkit.kit import ContextKit, KitStream
 from contextkit.kvstore.metrics import StoreCollector
+from contextkit.synthesis.handles import HANDLE, KeepLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class ServeLimits:
             spans while the engine is idle, one span per idle turn, so later requests reuse them at any
             position; off: they are reused exactly after the same prefix, and elsewhere from the KV
             their first request computed (``SpanCache.borrowed``).
+        keep: what workers' kept answers may hold (``contextkit.keep``; ``synthesis.handles.KeepLimits``).
     """
 
     max_queue: int = 32
@@ -76,6 +78,7 @@ class ServeLimits:
     retry_after_s: float = 2.0
     rate: RateLimit = RateLimit(10.0, 20)  # the engine answers a few requests a second in all
     compile_idle: bool = True
+    keep: KeepLimits = KeepLimits()
 
     def __post_init__(self) -> None:
         if min(self.max_queue, self.max_queue_per_tenant, self.max_active,
@@ -139,6 +142,7 @@ class ServeApp:
                                  "requests stopped early: the client hung up or the deadline passed",
                                  ("why",), registry=self.metrics.registry)
         self.metrics.registry.register(StoreCollector(kit.kv_store))
+        self.kept = KeptAnswers(limits.keep, self.metrics.registry)
 
     def build(self) -> FastAPI:
         @contextlib.asynccontextmanager
@@ -155,6 +159,7 @@ class ServeApp:
         app.post("/tokenize")(self.tokenize)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
+        app.delete("/v1/contextkit/kept/{handle}")(self.forget)
         app.get("/metrics")(self.prometheus)
         app.state.serve = self
         app.state.kit, app.state.tenancy, app.state.pending = self.kit, self.tenancy, self.pending
@@ -198,15 +203,27 @@ class ServeApp:
         body, req = parse_chat(await self._body_of(request), functools.partial(self.tenancy.resolve, tenant),
                                allow_reuse=True, default_max_tokens=256)
         params = self._sampling(body)
-        start = functools.partial(self._start_chat, req, params)
-        return await self._run(start, body, request, "/v1/chat/completions", chat=True, tenant=req.tenant)
+        turn = Turn(new_id(True), bool(body.contextkit and body.contextkit.keep), named_handles(body))
+        self.kept.check(turn)
+        start = functools.partial(self.kept.start, self.kit, req, params, turn)
+        return await self._run(start, body, request, "/v1/chat/completions", chat=True, tenant=req.tenant,
+                               turn=turn)
 
     async def completions(self, request: Request):
         tenant = self._caller(request)
         body: CompletionBody = validate(CompletionBody, await self._body_of(request))
         params = self._sampling(body)
         start = functools.partial(self._start_completion, body.prompt, tenant, params)
-        return await self._run(start, body, request, "/v1/completions", chat=False, tenant=tenant)
+        return await self._run(start, body, request, "/v1/completions", chat=False, tenant=tenant,
+                               turn=Turn(new_id(False)))
+
+    async def forget(self, handle: str, request: Request):
+        """Drop a kept answer of the caller's tenant (``contextkit.tenant`` as a query parameter for a
+        sub-tenant); ``{"deleted": false}`` for one it does not have (another tenant's included)."""
+        tenant = self.tenancy.resolve(self._caller(request), request.query_params.get("tenant"))
+        if not HANDLE.fullmatch(handle):
+            raise InputError("a handle is 1-128 letters, digits or '_.:-'", "handle")
+        return {"handle": handle, "deleted": self.kept.drop(tenant, handle)}
 
     async def prometheus(self, request: Request):
         check_metrics_access(key=self.metrics_key, keyed=not self.tenancy.open,
@@ -246,9 +263,6 @@ class ServeApp:
 
     # --- on the engine thread: a job's first turn plans and starts it ---
 
-    def _start_chat(self, req: ChatRequest, params: SamplingParams) -> KitStream:
-        return self.kit.run(self.kit.plan(req), params, compile_after=False)
-
     def _start_completion(self, prompt: str | list[int], tenant: Tenant, params: SamplingParams) -> KitStream:
         plan = self.kit.plan_prompt(prompt, tenant, max_new_tokens=params.max_new_tokens)
         return self.kit.run(plan, params, compile_after=False)
@@ -285,7 +299,7 @@ class ServeApp:
             self.cancelled.labels(job.stopped).inc()
 
     async def _run(self, start: Callable[[], KitStream], body, request: Request, route: str, chat: bool,
-                   tenant: Tenant):
+                   tenant: Tenant, turn: Turn):
         """Queue the request for the engine thread, then answer, streaming or not. The request ends at its
         next turn once the client is gone or the deadline passed."""
         self._admit(tenant)
@@ -301,7 +315,7 @@ class ServeApp:
         if kind == "done":  # the client hung up while the request waited: it never runs
             self.metrics.request(route, 499)
             return Response(status_code=499)
-        answer = _Answer(self, value, chat, body.return_token_ids)
+        answer = _Answer(self, value, chat, body.return_token_ids, turn)
         if not body.stream:
             return await answer.whole(job, request, route)
         self.metrics.request(route, 200)
@@ -311,9 +325,9 @@ class ServeApp:
 class _Answer:
     """The answer to one started request (``stream``): the whole completion, or its SSE events."""
 
-    def __init__(self, server: ServeApp, stream: KitStream, chat: bool, return_token_ids: bool | None):
-        self.server, self.stream, self.chat = server, stream, chat
-        self.rid, self.created = new_id(chat), int(time.time())
+    def __init__(self, server: ServeApp, stream: KitStream, chat: bool, return_token_ids: bool | None, turn: Turn):
+        self.server, self.stream, self.chat, self.turn = server, stream, chat, turn
+        self.rid, self.created = turn.rid, int(time.time())
         self.ids = {"prompt_token_ids": list(stream.prompt_ids)} if return_token_ids else {}
 
     def _usage(self, completion_tokens: int) -> dict:
@@ -324,7 +338,7 @@ class _Answer:
     def _extension(self) -> dict | None:
         stream, rep = self.stream, self.stream.report
         if rep is None:
-            return None
+            return self.turn.extension() or None
         span_tokens = self.server.span_tokens
         span_tokens.labels("prompt").inc(len(stream.prompt_ids))
         for kind in ("reused", "recomputed", "prefilled"):
@@ -337,7 +351,8 @@ class _Answer:
                 "probe_layers": rep.probe_layers,
                 "fidelity_budget": rep.fidelity_budget, "profile": rep.profile, "band": rep.band,
                 "tail_gate": rep.tail_gate, "escalated": rep.escalated,
-                "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered}
+                "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered,
+                **self.turn.extension()}
 
     async def whole(self, job: Job, request: Request, route: str) -> Response:
         metrics, name = self.server.metrics, self.server.served_name
