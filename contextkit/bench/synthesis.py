@@ -18,10 +18,19 @@ Summary: ``ttft_speedup_vs_text``, ``answer_f1_delta`` (KV minus text, F1 points
 ``answer_agreement_f1``, ``top1_agreement``, ``kl_p50``, worker time and note length; ``tf_agreement``,
 ``answer_kl_p90`` and ``gold_logprob_delta``: the whole answer teacher-forced against the text synthesizer on
 the same engine, and the gold answer's log-likelihood per token, KV minus text (``spans.fidelity``).
+
+``--set paths=local,http`` (the default: both): ``http`` runs the same questions as chats to
+``contextkit serve`` (workers that keep their KV, a synthesizer that names their handles;
+``bench/synthesis_http.py``), each against its own text re-prefill on the same server: rows with
+``path: http`` and summary keys ``http_join_speedup_vs_text``, ``http_join_tf_agreement``,
+``http_join_answer_kl_p90``, ``http_join_gold_logprob_delta`` (the first read; each read's with its name:
+``http_transcripts_join_...``), ``http_kv_share`` (handles read from KV) and
+``http_keep_overhead_vs_worker_ttft`` (the server's keep time per worker over the worker's TTFT).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from contextkit.bench.answers import answered
@@ -136,7 +145,7 @@ def _rows(per: dict[tuple[str, str], dict[str, list[float]]], reads: list[str]) 
             "answer_kl_p90": round(percentile(m["answer_kl"], 90), 4),
             "gold_logprob_delta": round(sum(m["gold"]) / len(m["gold"]), 4) if m.get("gold") else None,
             "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
-            "default": name == DEFAULT and read == reads[0],
+            "path": "local", "default": name == DEFAULT and read == reads[0],
         })
     return rows
 
@@ -162,12 +171,61 @@ def _summary(rows: list[dict], reads: list[str], questions: int, worker_ms: list
     return summary
 
 
+PATHS = ("local", "http")
+
+
+def _paths(ctx: BenchContext) -> list[str]:
+    """``--set paths=``: in process (the fork's KV), over HTTP to serve (kept answers), or both."""
+    paths = [p.strip() for p in ctx.option("paths", "local,http", str).split(",")]
+    if not paths or any(p not in PATHS for p in paths):
+        raise InputError(f"--set paths= takes {' and/or '.join(PATHS)} (comma-separated), "
+                         f"got {ctx.option('paths', '', str)!r}")
+    return paths
+
+
+def _http_rows(run, reads: list[str]) -> list[dict]:
+    rows = []
+    for (read, name), m in run.per.items():
+        text_ttft = median(run.per[(read, "text")]["ttft"])
+        rows.append({
+            "path": "http", "read": read, "method": name, "questions": len(m["ttft"]),
+            "ttft_ms_p50": round(median(m["ttft"]), 1), "ttft_speedup_vs_text": round(text_ttft / median(m["ttft"]), 2),
+            "tf_agreement": round(sum(m["tf_agreement"]) / len(m["tf_agreement"]), 3),
+            "answer_kl_p90": round(percentile(m["answer_kl"], 90), 4),
+            "gold_logprob_delta": round(sum(m["gold"]) / len(m["gold"]), 4) if m.get("gold") else None,
+            "default": name != "text" and read == reads[0],
+        })
+    return rows
+
+
+def _http_summary(rows: list[dict], run, reads: list[str]) -> dict:
+    by = {(r["read"], r["method"]): r for r in rows}
+    out = {}
+    for read in reads:
+        d = next((r for (rd, name), r in by.items() if rd == read and name != "text"), None)
+        if d is None:
+            continue
+        keys = {"join_speedup_vs_text": d["ttft_speedup_vs_text"], "join_tf_agreement": d["tf_agreement"],
+                "join_answer_kl_p90": d["answer_kl_p90"], "join_gold_logprob_delta": d["gold_logprob_delta"]}
+        if read == reads[0]:
+            out.update({f"http_{k}": v for k, v in keys.items()})
+        out.update({f"http_{read}_{k}": v for k, v in keys.items()})
+    named = sum(run.reads.values())
+    out["http_kv_share"] = round(run.reads.get("kv", 0) / named, 3) if named else None
+    out["http_handle_reads"] = dict(run.reads)
+    if run.keep_ms:
+        out["http_keep_ms_p50"] = round(median(run.keep_ms), 2)
+        out["http_keep_overhead_vs_worker_ttft"] = round(median(run.keep_ms) / median(run.worker_ttft), 4)
+    return out
+
+
 def run(ctx: BenchContext, tick: Tick) -> BenchResult:
+    from contextkit.bench.synthesis_http import HTTPPath
     from contextkit.kit import ContextKit
 
     workers, note_tokens = ctx.option("workers", 3, int), ctx.option("note_tokens", 48, int)
     answer_tokens = ctx.option("answer_tokens", 24, int)
-    reads = _reads(ctx)
+    reads, paths = _reads(ctx), _paths(ctx)
     part = ctx.option("split", "all", str)
     records = sample(split(load_records(ctx.data), part), ctx.count(24), ctx.seed)
     table = methods()
@@ -176,27 +234,47 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     # (read, method) -> metric -> values
     per: dict[tuple[str, str], dict[str, list[float]]] = {(r, m): {} for r in reads for m in ("text", *table)}
     worker_ms, note_len = [], []
-    tick(total=len(records) * (len(reads) * (len(table) + 1) + 1))
+    local = "local" in paths
+    tick(total=len(records) * ((len(reads) * (len(table) + 1) + 1) * local + (len(reads) * 2 + 1) * ("http" in paths)))
+    http = HTTPPath(kit, note_tokens=note_tokens, answer_tokens=answer_tokens, workers=workers)
     try:
-        for qi, rec in enumerate(records):
-            tick(f"workers q{qi}")
-            f, ms, notes = _workers(kit, rec, workers, note_tokens)
-            worker_ms.append(ms)
-            note_len.extend(len(b.token_ids) for b in f.branches)
-            head = tok.encode(SYNTH.format(question=rec.question), add_special_tokens=True)
-            labels = [tok.encode(f"\nNote {i + 1}:") for i in range(notes)]
-            tail = tok.encode(TAIL)
-            for read in reads:
-                out = _synthesize(kit, f, head, tail, labels, table, qi=qi, read=read,
-                                  answer_tokens=answer_tokens, tick=tick)
-                _record(per, read, out, rec, gold_ids(tok.encode, rec.answers, answer_tokens))
+        with http if "http" in paths else contextlib.nullcontext():
+            for qi, rec in enumerate(records):
+                gold = gold_ids(tok.encode, rec.answers, answer_tokens)
+                if local:
+                    _local_question(kit, rec, qi, per, worker_ms, note_len, table, reads, gold, tick,
+                                    workers=workers, note_tokens=note_tokens, answer_tokens=answer_tokens)
+                if "http" in paths:
+                    http.question(qi=qi, worker=WORKER.format(question=rec.question),
+                                  synth=SYNTH.format(question=rec.question), tail=TAIL, passages=list(rec.passages),
+                                  reads=reads, gold=gold, tick=tick)
     finally:
         kit.close()
-    rows = _rows(per, reads)
-    summary = _summary(rows, reads, len(records), worker_ms, note_len)
+    rows = _rows(per, reads) if local else []
+    summary = _summary(rows, reads, len(records), worker_ms, note_len) if local else {"questions": len(records)}
+    if "http" in paths:
+        http_rows = _http_rows(http.run, reads)
+        rows += http_rows
+        summary.update(_http_summary(http_rows, http.run, reads))
     config = {"model": ctx.config.model, "dtype": ctx.config.dtype, "data": str(ctx.data) if ctx.data else "default",
               "n": len(records),
               "seed": ctx.seed, "workers": workers, "note_tokens": note_tokens, "answer_tokens": answer_tokens,
-              "read": reads, "split": part}
+              "read": reads, "split": part, "paths": paths}
     return BenchResult("synthesis", config, rows, summary)
 
+
+def _local_question(kit, rec, qi, per, worker_ms, note_len, table, reads, gold, tick, *, workers, note_tokens,
+                    answer_tokens) -> None:
+    """The in-process path on one question: the fork, then every method's join per read."""
+    tok = kit.tokenizer
+    tick(f"workers q{qi}")
+    f, ms, notes = _workers(kit, rec, workers, note_tokens)
+    worker_ms.append(ms)
+    note_len.extend(len(b.token_ids) for b in f.branches)
+    head = tok.encode(SYNTH.format(question=rec.question), add_special_tokens=True)
+    labels = [tok.encode(f"\nNote {i + 1}:") for i in range(notes)]
+    tail = tok.encode(TAIL)
+    for read in reads:
+        out = _synthesize(kit, f, head, tail, labels, table, qi=qi, read=read, answer_tokens=answer_tokens,
+                          tick=tick)
+        _record(per, read, out, rec, gold)

@@ -64,6 +64,10 @@ def body_of(call: Call, model: str | None, stream: bool) -> dict:
         opts["tenant"] = call.tenant
     if call.documents_at != "last" and call.documents:
         opts["documents_at"] = call.documents_at
+    if call.keep:
+        opts["keep"] = True
+    if call.handles:
+        opts["handles"] = list(call.handles)
     if call.reuse is False:
         opts["reuse"] = {"policy": "full"}
     elif call.reuse is not None:
@@ -82,12 +86,17 @@ def summary(usage: dict | None, ext: dict | None) -> ReuseSummary:
     prompt = int(usage.get("prompt_tokens") or ext.get("prompt_tokens") or 0)
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     order, reordered = tuple(str(x) for x in ext.get("order") or ()), bool(ext.get("reordered"))
+    handles = tuple((str(h.get("handle")), str(h.get("read"))) for h in ext.get("handles") or ())
+    kept = (ext.get("kept") or {}).get("handle")
     if "reused_tokens" in ext:  # serve: the KV path
         return ReuseSummary("kv", prompt, int(ext.get("cached_tokens") or 0), int(ext["reused_tokens"]),
                             int(ext.get("recomputed_tokens") or 0), int(ext.get("prefilled_tokens") or 0),
-                            int(ext.get("compiled_tokens") or 0), order, reordered, ext.get("policy"))
-    path = "prompt" if ext or cached else "prefill"  # the proxy (or a plain chat vLLM answered from its cache)
-    return ReuseSummary(path, prompt, cached, cached, 0, prompt - cached, 0, order, reordered)
+                            int(ext.get("compiled_tokens") or 0), order, reordered, ext.get("policy"),
+                            handles=handles, kept=kept)
+    # the proxy (or a plain chat vLLM answered from its cache); serve's plain prefill says only what it kept
+    path = "prompt" if set(ext) - {"kept", "handles"} or cached else "prefill"
+    return ReuseSummary(path, prompt, cached, cached, 0, prompt - cached, 0, order, reordered, handles=handles,
+                        kept=kept)
 
 
 # the class for an error object without ``contextkit_code`` (vLLM's own, or a server in between), by status
@@ -242,6 +251,13 @@ class HTTPTransport:
             int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
             summary(usage, obj.get("contextkit")), ms, ms, obj.get("model"), obj.get("id"),
         )  # fmt: skip
+
+    def fork(self, client, prefix: str, prompts, documents=(), max_tokens: int = 64, tenant: str | None = None):
+        """Workers as chats that keep their KV, joined by a chat that names them (``contextkit.sdk.team``;
+        the server must be ``contextkit serve``: the proxy answers a join from the text)."""
+        from contextkit.sdk.team import fork
+
+        return fork(client, prefix, prompts, documents, max_tokens, tenant)
 
     def close(self) -> None:
         self._http.close()

@@ -111,7 +111,8 @@ class Team:
         self.transport, self.fork = transport, fork
         self.branches = fork.branches
 
-    def _join(self, head: str, tail: str, options: ReuseOptions | None, max_tokens: int, label: str) -> Answer:
+    def _join(self, head: str, tail: str, options: ReuseOptions | None, max_tokens: int, label: str,
+              transcripts: bool = False) -> Answer:
         from contextkit.engine.generate import Stream
         from contextkit.synthesis.parallel import join, join_text
 
@@ -121,9 +122,9 @@ class Team:
         labels = [tok.encode(label.format(i=b.index + 1)) for b in self.branches] if label else []
         with self.transport._lock:
             if options is None:
-                asm, _, plan = join_text(self.fork, head_ids, tail_ids, labels, extra_capacity=max_tokens + 1)
+                asm, _, plan = join_text(self.fork, head_ids, tail_ids, labels, max_tokens + 1, transcripts)
             else:
-                asm, _, plan = join(self.fork, head_ids, tail_ids, labels, options, extra_capacity=max_tokens + 1)
+                asm, _, plan = join(self.fork, head_ids, tail_ids, labels, options, max_tokens + 1, transcripts)
             stream = Stream(kit.engine, tok, plan.ids, SamplingParams(max_new_tokens=max_tokens), cache=asm.cache,
                             first_logits=asm.logits)
             ks = KitStream(stream, plan, asm.report)
@@ -134,15 +135,16 @@ class Team:
         return answer_of(ks, first or total, total, kit.config.model)
 
     def join(self, head: str, tail: str = "\n\nAnswer:", reuse: ReuseOptions | None = None, max_tokens: int = 64,
-             label: str = "\nNote {i}:") -> Answer:
+             label: str = "\nNote {i}:", transcripts: bool = False) -> Answer:
         """The synthesizer: ``head``, each successful branch's output under ``label`` read from its KV
-        (re-positioned, recomputed per ``reuse``: default policy), then ``tail``; generates the answer."""
-        return self._join(head, tail, reuse or ReuseOptions(), max_tokens, label)
+        (re-positioned, recomputed per ``reuse``: default policy), then ``tail``; generates the answer.
+        ``transcripts``: each branch's prompt (what it read) comes before its output."""
+        return self._join(head, tail, reuse or ReuseOptions(), max_tokens, label, transcripts)
 
     def join_text(self, head: str, tail: str = "\n\nAnswer:", max_tokens: int = 64,
-                  label: str = "\nNote {i}:") -> Answer:
+                  label: str = "\nNote {i}:", transcripts: bool = False) -> Answer:
         """The same synthesizer prompt with the branches' text prefilled in full (the baseline)."""
-        return self._join(head, tail, None, max_tokens, label)
+        return self._join(head, tail, None, max_tokens, label, transcripts)
 
 
 def answer_of(ks: KitStream, ttft_ms: float, total_ms: float, model: Any = None) -> Answer:

@@ -149,10 +149,14 @@ class Client:
         ordering: str = "weaver",
         tenant: str | None = None,
         documents_at: str = "last",
+        keep: bool = False,
+        handles: Sequence[str] = (),
     ) -> Call:
         """The ``Call`` the other methods send: a question (``system``: None = the server's default RAG
         prompt when there are documents) or chat messages; documents as strings, dicts or Evidence; skills
-        as Skill or the name of one in ``self.skills``. ``reuse=True`` is the default policy."""
+        as Skill or the name of one in ``self.skills``. ``reuse=True`` is the default policy. ``keep`` and
+        ``handles``: parallel agents over HTTP (serve): keep this answer's KV under its id; the ids of kept
+        answers this call carries as text (read from their KV where their text is found)."""
         if reuse is True:
             reuse = ReuseOptions()
         if reuse is not None and reuse is not False and not isinstance(reuse, ReuseOptions):
@@ -161,7 +165,7 @@ class Client:
         return Call(
             _messages(prompt, system), tuple(evidence(d, f"documents[{i}]") for i, d in enumerate(documents)),
             tuple(s if isinstance(s, Skill) else self.transport.skill(s) for s in skills), max_tokens, temperature,
-            top_p, stops, seed, reuse, ordering, tenant, documents_at,  # type: ignore[arg-type]
+            top_p, stops, seed, reuse, ordering, tenant, documents_at, keep, tuple(handles),  # type: ignore[arg-type]
         )
 
     def generate(self, prompt: str | Sequence[MessageLike], documents: Sequence[DocumentLike] = (),
@@ -188,7 +192,8 @@ class Client:
 
     def fork(self, prefix: str | Sequence[MessageLike], prompts: Sequence[str], documents: Sequence[DocumentLike] = (),
              **kw: Any):
-        """N worker branches sharing one prefix's KV (in process only: the KV path)."""
+        """N worker branches over one prefix, then ``join`` them: in process their KV is shared and read
+        from the fork; over HTTP (serve) each worker is a chat that keeps its answer's KV, read by the join."""
         fork = getattr(self.transport, "fork", None)
         if fork is None:
             raise ConfigError(f"fork/join read branch KV, which needs the KV path in this process; the "

@@ -46,6 +46,8 @@ class Call:
     ordering: Literal["weaver", "retrieval"] = "weaver"
     tenant: str | None = None
     documents_at: Literal["last", "first"] = "last"
+    keep: bool = False  # over HTTP to serve: keep the answer's KV under its id (a worker; ``fork``)
+    handles: tuple[str, ...] = ()  # over HTTP to serve: kept answers this call carries as text (``join``)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -67,6 +69,8 @@ class ReuseSummary:
     span tokens computed again in the new context; ``prefilled_tokens``: tokens computed with no reusable KV;
     ``compiled_tokens``: span tokens compiled (and stored) during this request. ``skipped_documents``:
     documents a session did not send again because its context already holds them.
+    ``handles``: (handle, how it was read) for each kept answer the call named (``kv``, or why its text
+    was used: ``synthesis.handles.Read``); ``kept``: the handle this answer was kept under (``keep``).
     ``detail``: the built-in engine's full report (timings and all), in process only.
     """
 
@@ -81,12 +85,15 @@ class ReuseSummary:
     reordered: bool = False
     policy: str | None = None
     skipped_documents: tuple[str, ...] = ()
+    handles: tuple[tuple[str, str], ...] = ()
+    kept: str | None = None
     detail: ReuseReport | None = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict:
         """JSON-ready (frameworks put it in their response metadata)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "detail"}
         out["order"], out["skipped_documents"] = list(self.order), list(self.skipped_documents)
+        out["handles"] = [list(h) for h in self.handles]
         return out
 
 

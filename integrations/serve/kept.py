@@ -3,10 +3,11 @@ response id, a synthesizer's named handles read from that KV, and what each requ
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
@@ -50,6 +51,10 @@ class KeptAnswers:
         self.count = Gauge("contextkit_serve_kept_handles", "kept worker answers", registry=registry)
         self.evicted = Counter("contextkit_serve_kept_evicted", "kept answers dropped by the limits before their TTL",
                                registry=registry)
+        self.keep_seconds = Histogram("contextkit_serve_keep_seconds",
+                                      "time to keep an answer's KV, after its last token (one decode step at most "
+                                      "and a copy)", registry=registry,
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
         self._evicted_seen = 0
 
     def check(self, turn: Turn) -> None:
@@ -73,6 +78,7 @@ class KeptAnswers:
         return stream
 
     def _keep(self, kit: ContextKit, stream: KitStream, turn: Turn) -> None:
+        t0 = time.perf_counter()
         got = keep_answer(kit.spans, stream.generation, stream.plan, stream.plan.tenant)
         if isinstance(got, str):
             turn.kept = {"handle": None, "why": got}
@@ -81,6 +87,7 @@ class KeptAnswers:
         else:
             turn.kept = {"handle": turn.rid, "tokens": got[0].num_tokens, "ttl_s": self.store.limits.ttl_s}
         self.kept.labels("kept" if turn.kept["handle"] else "not_kept").inc()
+        self.keep_seconds.observe(time.perf_counter() - t0)
         self._gauges()
 
     def drop(self, tenant, handle: str) -> bool:

@@ -111,8 +111,6 @@ def test_errors_come_from_the_one_tree(keyed_serve, example):
             c.generate(question, docs, max_tokens=2, tenant="other")
         with pytest.raises(PromptTooLongError, match="413.*context"):  # the server's check, with its message
             c.generate(question, docs, max_tokens=100_000)
-        with pytest.raises(ConfigError, match="KV path"):
-            c.fork("prefix", ["a", "b"])
     with pytest.raises(InputError, match="http"):
         contextkit.connect("localhost:8000")
 
@@ -192,3 +190,17 @@ def test_fork_and_join_in_process(local, example):
     assert kv.report.path == "kv" and kv.report.reused_tokens > 0
     assert text.report.reused_tokens == 0 and text.report.policy == "full"
     assert kv.prompt_tokens == text.prompt_tokens  # the same synthesizer context, read two ways
+
+
+def test_fork_and_join_over_http(http, example):
+    """The same calls against serve: workers are chats that keep their KV, the join names their handles."""
+    question, docs = example
+    team = http.fork(f"You are a research worker. Question: {question}\n", ["Note:", "Note:"],
+                     documents=[docs[:1], docs[1:2]], max_tokens=12)
+    assert len(team.branches) == 2 and all(b.ok and b.handle for b in team.branches)
+    for transcripts in (False, True):
+        kv = team.join(f"Combine the notes. Question: {question}\n", max_tokens=6, transcripts=transcripts)
+        text = team.join_text(f"Combine the notes. Question: {question}\n", max_tokens=6, transcripts=transcripts)
+        assert [r for _, r in kv.report.handles] == ["kv", "kv"] and kv.report.reused_tokens > 0
+        assert [r for _, r in text.report.handles] == ["not_reused"] * 2 and text.report.policy == "full"
+        assert kv.prompt_tokens == text.prompt_tokens  # the same synthesizer prompt, read two ways
