@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -334,8 +335,9 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     m, srv = (_Rows(prompts, salt, tick, _plan_all(requests, model_dir, block, reverse=True)),
               Servers(model_dir, block, logs, saving=saving))
     redis_url = ctx.option("redis", "")
+    work = cfg.cache_dir / "bench-connector" / run_id  # the connector's disk tier: removed with the run
     try:
-        redis_url = srv.start(cfg, cfg.cache_dir / "bench-connector" / run_id, redis_url, tick)
+        redis_url = srv.start(cfg, work, redis_url, tick)
         saved_share = _connector_rows(m, srv, cfg=cfg, model_dir=model_dir, block=block, redis_url=redis_url)
         span_share = _span_rows(m, srv.a.url, functools.partial(wait_saved, cfg, model_dir, block, redis_url, salt,
                                                                   srv.a.config.resolved_dtype))
@@ -345,6 +347,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         _second_pair(m, srv.a.url)
     finally:
         srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     tokens = [p.num_tokens for p in prompts]
     out_rows = _row_stats(m.per, tokens)
