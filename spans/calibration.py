@@ -324,17 +324,28 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where or 'the file'}: {err['msg']}{got}"
 
 
+PACKAGED = Path(__file__).resolve().parent / "profiles"  # shipped profiles, named by ``CalibrationProfile.id``
+
+
+def packaged_profile(model_digest: str, dtype: str) -> Path:
+    """Where a profile shipped with contextkit for these weights and dtype would be (``spans/profiles``:
+    made by the command in docs/benchmarks.md, "Shipped calibration profiles")."""
+    return PACKAGED / f"{model_digest[:12]}-{dtype}.json"
+
+
 def find_profile(model_dir: Path | str, *, model_digest: str, dtype: str,
                  explicit: Path | None = None) -> CalibrationProfile | None:
     """The profile for an engine: ``explicit`` (refused with ``CalibrationError`` when it does not fit),
-    else the one beside the model for ``dtype`` (one that does not fit is ignored with a warning), else None."""
+    else the one beside the model for ``dtype`` (``contextkit calibrate`` writes it there), else the one
+    shipped with contextkit for these weights and dtype (a found one that does not fit is ignored with a
+    warning), else None."""
     if explicit is not None:
         return CalibrationProfile.load(explicit, model_digest=model_digest, dtype=dtype)
-    path = profile_path(model_dir, dtype)
-    if not path.is_file():
-        return None
-    try:
-        return CalibrationProfile.load(path, model_digest=model_digest, dtype=dtype)
-    except CalibrationError as exc:
-        log.warning("%s", exc)
-        return None
+    for path in (profile_path(model_dir, dtype), packaged_profile(model_digest, dtype)):
+        if not path.is_file():
+            continue
+        try:
+            return CalibrationProfile.load(path, model_digest=model_digest, dtype=dtype)
+        except CalibrationError as exc:
+            log.warning("%s", exc)
+    return None

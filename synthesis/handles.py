@@ -110,6 +110,13 @@ class KeptSpans:
         with self._lock:
             return {"handles": len(self._entries), "bytes": self.total_bytes, "evicted": self.evicted}
 
+    def recent(self, tenant: Tenant, n: int) -> list[str]:
+        """``tenant``'s ``n`` most recently kept handles that have not expired, newest first."""
+        now = self._clock()
+        with self._lock:
+            mine = [h for (t, h), e in reversed(self._entries.items()) if t == tenant.name and e.expires > now]
+        return mine[:n]
+
     def put(self, tenant: Tenant, handle: str, span: CompiledSpan, text: str) -> bool:
         """Keep ``span`` under ``handle`` for ``tenant``; False if it alone is over the byte limits."""
         if not HANDLE.fullmatch(handle):
@@ -211,11 +218,24 @@ def keep_answer(spans, stream, plan: RequestPlan, tenant: Tenant) -> tuple[Compi
     return span, text
 
 
-def splice(plan: RequestPlan, handles: Sequence[Any], store: KeptSpans,
+AUTO = "auto"  # ``contextkit.handles: "auto"``: the tenant's recent kept answers, wherever their text is
+
+
+def splice(plan: RequestPlan, handles: Sequence[Any] | str, store: KeptSpans,
            tenant: Tenant) -> tuple[RequestPlan, dict[int, CompiledSpan], list[HandleRead]]:
     """``plan`` with each named handle's kept answer, where its tokens are in the prompt, made a reused
     span read from its KV: returns the new plan, the KV it is provided with (item index -> span) and what
-    was done with each handle, in the order named."""
+    was done with each handle, in the order named.
+
+    ``handles`` may be ``AUTO``: the tenant's ``max_per_request`` most recent kept answers are looked for
+    (for a framework that passes results on as text and drops response ids); only those found are
+    reported."""
+    if isinstance(handles, str):
+        if handles != AUTO:
+            raise InputError(f"contextkit.handles is a list of handles or {AUTO!r}, got {handles[:40]!r}",
+                             "contextkit")
+        new, provided, reads = splice(plan, store.recent(tenant, store.limits.max_per_request), store, tenant)
+        return new, provided, [r for r in reads if r.read in ("kv", "not_reused")]
     if len(handles) > store.limits.max_per_request:
         raise InputError(f"{len(handles)} handles named; at most {store.limits.max_per_request} per request "
                          "(send the rest as text only)", "contextkit")
@@ -256,9 +276,16 @@ def _place(items: list[PlanItem], needle: tuple[int, ...]) -> tuple[int, int] | 
             continue
         ids = it.span.token_ids
         # the answer may not end the prompt: the last item is the query, whose logits start the answer
-        for a in range(len(ids) - n + 1 - (i == len(items) - 1)):
-            if ids[a] == needle[0] and tuple(ids[a:a + n]) == needle:
+        last = len(ids) - n - (i == len(items) - 1)
+        a = 0
+        while a <= last:
+            try:
+                a = ids.index(needle[0], a, last + 1)  # C speed: a prompt is scanned per named handle
+            except ValueError:
+                break
+            if tuple(ids[a:a + n]) == needle:
                 return i, a
+            a += 1
     return None
 
 

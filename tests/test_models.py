@@ -151,3 +151,16 @@ def test_prepared_model_has_its_digest(smol_dir):
 
     cached = json.loads((smol_dir / WEIGHTS_DIGEST).read_text())
     assert len(cached["sha256"]) == 64 and "model.safetensors" in cached["files"]
+
+
+@pytest.mark.slow
+def test_qwen_bf16_finds_the_calibration_profile_contextkit_ships(qwen_dir, tmp_path):
+    """The model of record runs its calibrated default out of the box: the profile in spans/profiles is
+    for these weights (their digest as the engine computes it) in bfloat16."""
+    from contextkit.engine.model import Engine
+    from contextkit.spans.calibration import find_profile
+
+    engine = Engine.from_dir(qwen_dir, "bfloat16")
+    profile = find_profile(tmp_path, model_digest=engine.fingerprint.digest, dtype="bfloat16")  # none beside it
+    assert profile is not None and profile.dtype == "bfloat16"
+    assert find_profile(tmp_path, model_digest=engine.fingerprint.digest, dtype="float32") is None

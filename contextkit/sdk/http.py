@@ -67,7 +67,7 @@ def body_of(call: Call, model: str | None, stream: bool) -> dict:
     if call.keep:
         opts["keep"] = True
     if call.handles:
-        opts["handles"] = list(call.handles)
+        opts["handles"] = call.handles if isinstance(call.handles, str) else list(call.handles)
     if call.reuse is False:
         opts["reuse"] = {"policy": "full"}
     elif call.reuse is not None:

@@ -150,13 +150,14 @@ class Client:
         tenant: str | None = None,
         documents_at: str = "last",
         keep: bool = False,
-        handles: Sequence[str] = (),
+        handles: Sequence[str] | str = (),
     ) -> Call:
         """The ``Call`` the other methods send: a question (``system``: None = the server's default RAG
         prompt when there are documents) or chat messages; documents as strings, dicts or Evidence; skills
         as Skill or the name of one in ``self.skills``. ``reuse=True`` is the default policy. ``keep`` and
         ``handles``: parallel agents over HTTP (serve): keep this answer's KV under its id; the ids of kept
-        answers this call carries as text (read from their KV where their text is found)."""
+        answers this call carries as text (read from their KV where their text is found), or "auto" (the
+        tenant's recent kept answers, wherever their text is)."""
         if reuse is True:
             reuse = ReuseOptions()
         if reuse is not None and reuse is not False and not isinstance(reuse, ReuseOptions):
@@ -165,7 +166,8 @@ class Client:
         return Call(
             _messages(prompt, system), tuple(evidence(d, f"documents[{i}]") for i, d in enumerate(documents)),
             tuple(s if isinstance(s, Skill) else self.transport.skill(s) for s in skills), max_tokens, temperature,
-            top_p, stops, seed, reuse, ordering, tenant, documents_at, keep, tuple(handles),  # type: ignore[arg-type]
+            top_p, stops, seed, reuse, ordering, tenant, documents_at, keep,
+            handles if isinstance(handles, str) else tuple(handles),  # type: ignore[arg-type]
         )
 
     def generate(self, prompt: str | Sequence[MessageLike], documents: Sequence[DocumentLike] = (),

@@ -47,7 +47,8 @@ class Call:
     tenant: str | None = None
     documents_at: Literal["last", "first"] = "last"
     keep: bool = False  # over HTTP to serve: keep the answer's KV under its id (a worker; ``fork``)
-    handles: tuple[str, ...] = ()  # over HTTP to serve: kept answers this call carries as text (``join``)
+    # over HTTP to serve: kept answers this call carries as text (``join``), or "auto" (the tenant's recent ones)
+    handles: tuple[str, ...] | Literal["auto"] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

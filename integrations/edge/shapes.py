@@ -122,9 +122,9 @@ class ContextkitOptions(_Strict):
     reuse: ReuseIn | None = None  # the KV path only (serve, a proxy with a connector)
     # parallel agents over HTTP (serve; synthesis.handles): keep this answer's KV under the response id,
     # and the handles of kept answers this request carries as text (any JSON values; the count is capped
-    # by the server's limit, a 422 past it)
+    # by the server's limit, a 422 past it), or "auto": the tenant's recent kept answers, found by text
     keep: StrictBool = False
-    handles: list[Any] | None = Field(None, max_length=4096)
+    handles: list[Any] | Literal["auto"] | None = Field(None, max_length=4096)
 
 
 class _Sampling(BaseModel):

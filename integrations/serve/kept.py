@@ -23,7 +23,7 @@ class Turn:
 
     rid: str
     keep: bool = False
-    handles: list[Any] = field(default_factory=list)
+    handles: list[Any] | str = field(default_factory=list)  # or "auto" (synthesis.handles.AUTO)
     reads: list[HandleRead] = field(default_factory=list)
     kept: dict[str, Any] | None = None
 
@@ -60,7 +60,7 @@ class KeptAnswers:
     def check(self, turn: Turn) -> None:
         """422 before the request is queued when it names more handles than the limit."""
         limit = self.store.limits.max_per_request
-        if len(turn.handles) > limit:
+        if not isinstance(turn.handles, str) and len(turn.handles) > limit:
             raise InputError(f"{len(turn.handles)} handles named; at most {limit} per request (send the rest "
                              "as text only)", "contextkit")
 

@@ -310,3 +310,14 @@ def test_a_request_budget_out_of_range_is_a_422_field_error():
             reuse_options({"fidelity_budget": bad})
     assert reuse_options({"fidelity_budget": 0.1}).budget == 0.1
     assert reuse_options({"policy": "query_attention", "attention_budget": 0.2}).attention_budget == 0.2
+
+
+def test_every_shipped_profile_loads_and_is_named_by_its_id():
+    from contextkit.spans.calibration import PACKAGED, packaged_profile
+
+    shipped = sorted(PACKAGED.glob("*.json"))
+    assert shipped, "spans/profiles ships the model of record's profile"
+    for path in shipped:
+        head = json.loads(path.read_text())
+        profile = CalibrationProfile.load(path, model_digest=head["model_digest"], dtype=head["dtype"])
+        assert path == packaged_profile(profile.model_digest, profile.dtype) and path.stem == profile.id

@@ -99,3 +99,17 @@ def test_more_handles_than_the_limit_is_refused_with_the_limit():
     store = KeptSpans(KeepLimits(max_per_request=2))
     with pytest.raises(InputError, match="at most 2"):
         splice(_plan(((1,), False)), ["a", "b", "c"], store, Tenant())
+
+
+def test_auto_finds_the_tenants_recent_answers_by_their_text():
+    store, acme = KeptSpans(KeepLimits(max_per_request=2)), Tenant("acme")
+    store.put(acme, "old", _span((20, 21), "acme"), "oldest")  # past the two most recent: not looked for
+    store.put(acme, "w1", _span((5, 6, 7), "acme"), "five six seven")
+    store.put(acme, "w2", _span((8, 9), "acme"), "not in this prompt")
+    store.put(Tenant("globex"), "g", _span((1, 2), "globex"), "another tenant's")
+    plan = _plan(((1, 2), True), ((3, 5, 6, 7, 20, 21), True), ((10, 11), False))
+    new, provided, reads = splice(plan, "auto", store, acme)
+    assert [(r.handle, r.read) for r in reads] == [("w1", "kv")]  # only what was found is reported
+    assert [s.token_ids for s in provided.values()] == [(5, 6, 7)] and new.ids == plan.ids
+    with pytest.raises(InputError, match="auto"):
+        splice(plan, "all", store, acme)

@@ -68,6 +68,24 @@ def test_a_worker_keeps_its_answer_and_a_synthesizer_reads_it_from_kv(served):
     assert r2.model_extra["contextkit"]["handles"][0]["read"] == "kv"
 
 
+def test_auto_finds_a_kept_answer_inside_a_message(served):
+    """A framework that passes a worker's result on as message text and drops its id (LangGraph state, an
+    Agents SDK tool result): ``handles: "auto"`` finds the tenant's recent kept answers by their tokens."""
+    s, kit, client = served
+    tenant = _fresh("graph")
+    worker, kept = _worker(client, tenant)
+    note = worker.choices[0].message.content
+    msgs = [{"role": "system", "content": "You combine your workers' notes."},
+            {"role": "user", "content": f"Worker 1 wrote:\n{note}\n\nWhat do the notes say about the Moon?"}]
+    r = client.chat.completions.create(model="smol-local", max_tokens=8, temperature=0, messages=msgs,
+                                       extra_body={"contextkit": {"tenant": tenant, "handles": "auto"}})
+    ext = r.model_extra["contextkit"]
+    assert ext["handles"] == [{"handle": worker.id, "read": "kv", "tokens": kept["tokens"]}]
+    other = client.chat.completions.create(model="smol-local", max_tokens=2, temperature=0, messages=msgs,
+                                           extra_body={"contextkit": {"tenant": _fresh("other"), "handles": "auto"}})
+    assert other.model_extra["contextkit"]["handles"] == []  # another tenant's answers are never looked at
+
+
 def test_a_miss_is_the_text_path_whatever_the_reason(served):
     s, kit, client = served
     owner = _fresh("owner")
