@@ -27,11 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import PlanItem, RequestPlan
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Span
-from contextkit.spans.key import span_key
+from contextkit.spans.key import span_key, token_digest
 from contextkit.spans.store import CompiledSpan
 
 HANDLE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what our response ids look like (and a caller's own)
@@ -68,11 +70,18 @@ class KeepLimits:
 
 @dataclass(frozen=True, slots=True)
 class Kept:
-    """One kept answer: its KV (position-free), the text it decodes to, and when it expires."""
+    """One kept answer: its KV (position-free), the text it decodes to, when it expires, and the KV of the
+    documents its worker read, as the worker computed them (position-free too; a synthesizer that reads
+    the workers' transcripts finds them as whole documents of its prompt)."""
 
     span: CompiledSpan
     text: str
     expires: float
+    read: tuple[CompiledSpan, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.nbytes + sum(r.nbytes for r in self.read)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +91,10 @@ class HandleRead:
     handle: str
     read: Read
     tokens: int = 0  # the kept answer's tokens read from KV
+    read_tokens: int = 0  # tokens of documents its worker read, read from the worker's KV
 
     def as_dict(self) -> dict[str, Any]:
-        return {"handle": self.handle, "read": self.read, "tokens": self.tokens}
+        return {"handle": self.handle, "read": self.read, "tokens": self.tokens, "read_tokens": self.read_tokens}
 
 
 class KeptSpans:
@@ -117,18 +127,20 @@ class KeptSpans:
             mine = [h for (t, h), e in reversed(self._entries.items()) if t == tenant.name and e.expires > now]
         return mine[:n]
 
-    def put(self, tenant: Tenant, handle: str, span: CompiledSpan, text: str) -> bool:
-        """Keep ``span`` under ``handle`` for ``tenant``; False if it alone is over the byte limits."""
+    def put(self, tenant: Tenant, handle: str, span: CompiledSpan, text: str,
+            read: Sequence[CompiledSpan] = ()) -> bool:
+        """Keep ``span`` (and what its worker read) under ``handle`` for ``tenant``; False if it alone is
+        over the byte limits."""
         if not HANDLE.fullmatch(handle):
             raise InputError(f"a handle is 1-128 letters, digits or '_.:-', got {handle[:40]!r}", "handle")
-        size = span.nbytes
-        if size > min(self.limits.max_bytes, self.limits.max_total_bytes):
+        kept = Kept(span, text, self._clock() + self.limits.ttl_s, tuple(read))
+        if kept.nbytes > min(self.limits.max_bytes, self.limits.max_total_bytes):
             return False
         with self._lock:
-            self._put(tenant, handle, span, text, size)
+            self._put(tenant, handle, kept, kept.nbytes)
         return True
 
-    def _put(self, tenant: Tenant, handle: str, span: CompiledSpan, text: str, size: int) -> None:
+    def _put(self, tenant: Tenant, handle: str, kept: Kept, size: int) -> None:
         self.drop(tenant, handle)
         self._expire()
         owner = tenant.key_tenant.name
@@ -137,7 +149,7 @@ class KeptSpans:
             self._evict(next(k for k in self._entries if _owner(k) == owner))
         while self.total_bytes + size > self.limits.max_total_bytes:
             self._evict(next(iter(self._entries)))
-        self._entries[(tenant.name, handle)] = Kept(span, text, self._clock() + self.limits.ttl_s)
+        self._entries[(tenant.name, handle)] = kept
         self._count[owner] = self._count.get(owner, 0) + 1
         self._bytes[owner] = self._bytes.get(owner, 0) + size
         self.total_bytes += size
@@ -178,8 +190,8 @@ class KeptSpans:
         kept = self._entries.pop(key)
         owner = _owner(key)
         self._count[owner] -= 1
-        self._bytes[owner] -= kept.span.nbytes
-        self.total_bytes -= kept.span.nbytes
+        self._bytes[owner] -= kept.nbytes
+        self.total_bytes -= kept.nbytes
         if not self._count[owner]:
             del self._count[owner], self._bytes[owner]
 
@@ -188,13 +200,18 @@ def _owner(key: tuple[str, str]) -> str:
     return Tenant(key[0]).key_tenant.name
 
 
-def keep_answer(spans, stream, plan: RequestPlan, tenant: Tenant) -> tuple[CompiledSpan, str] | str:
-    """A finished generation's answer as a position-free span (and its text), or why it cannot be kept.
+def keep_answer(spans, stream, plan: RequestPlan,
+                tenant: Tenant) -> tuple[CompiledSpan, str, tuple[CompiledSpan, ...]] | str:
+    """A finished generation's answer as a position-free span, its text, and the KV of the documents the
+    worker read (each as the worker computed it, position-free), or why it cannot be kept.
 
     ``stream`` is the ``engine.generate.Stream`` that generated it: its cache holds the prompt, then one
     slot per generated token that was fed back; the last token's KV is computed here when the stream
     stopped before feeding it (one decode step). Whitespace-only tokens at either end are left out (a
-    framework may strip them; the prompt renders documents stripped)."""
+    framework may strip them; the prompt renders documents stripped). The documents are kept only where
+    the prompt lies in the cache in order, one slot per token (no separators or padding between spans)."""
+    from contextkit.synthesis.parallel import generated_span
+
     gen = stream.result
     ids = list(gen.token_ids) if gen is not None else []
     if not ids:
@@ -211,13 +228,22 @@ def keep_answer(spans, stream, plan: RequestPlan, tenant: Tenant) -> tuple[Compi
     text = tok.decode(ids[a:b])
     if text.strip() != gen.text.strip():
         return "a stop string cut the answer inside a token"
-    from contextkit.synthesis.parallel import generated_span
-
-    context = span_key(spans.identity, tuple(plan.ids), (), tenant)
+    prompt = tuple(plan.ids)
+    context = span_key(spans.identity, prompt, (), tenant)
     span = generated_span(spans, cache, range(start + a, start + b), tuple(ids[a:b]), context, tenant)
-    return span, text
+    read: list[CompiledSpan] = []
+    if start == len(prompt) and bool((cache.positions[:start] == torch.arange(start)).all()):
+        at = 0
+        for it in plan.items:
+            n = len(it.span.token_ids)
+            if it.span.kind == "document":
+                seen = span_key(spans.identity, prompt[:at], (), tenant)
+                read.append(generated_span(spans, cache, range(at, at + n), it.span.token_ids, seen, tenant))
+            at += n
+    return span, text, tuple(read)
 
 
+TAIL_SLACK = 2  # answer tokens at the end that may be left to the text (they tokenize with what follows)
 AUTO = "auto"  # ``contextkit.handles: "auto"``: the tenant's recent kept answers, wherever their text is
 
 
@@ -255,15 +281,23 @@ def splice(plan: RequestPlan, handles: Sequence[Any] | str, store: KeptSpans,
             found[name] = kept
             reads.append(HandleRead(name, "kv"))
     items = list(plan.items)
+    spans: dict[str, CompiledSpan] = {}
     for name, kept in found.items():
-        at = _place(items, kept.span.token_ids)
-        if at is not None:
-            i, a = at
-            items[i:i + 1] = _split(items[i], a, len(kept.span.token_ids), name)
-    provided = {j: found[it.span.name.removeprefix("handle ")].span for j, it in enumerate(items) if _is_kept(it)}
-    placed = {it.span.name.removeprefix("handle ") for it in items if _is_kept(it)}
-    reads = [r if r.read != "kv" else (dataclasses.replace(r, tokens=found[r.handle].span.num_tokens)
-                                       if r.handle in placed else dataclasses.replace(r, read="mismatch"))
+        ids = kept.span.token_ids
+        # the answer's last tokens may tokenize otherwise before what follows it in the prompt (Qwen's
+        # pre-tokenizer joins "." and "\n\n"): up to TAIL_SLACK of them are left to be computed in context
+        for m in range(len(ids), max(len(ids) - TAIL_SLACK, 1) - 1, -1):
+            at = _place(items, ids[:m])
+            if at is not None:
+                i, a = at
+                items[i:i + 1] = _split(items[i], a, m, name)
+                spans[name] = _head(kept.span, m)
+                break
+    provided = {j: spans[it.span.name.removeprefix("handle ")] for j, it in enumerate(items) if _is_kept(it)}
+    read_tokens = _documents_read(items, found, spans, provided)
+    reads = [r if r.read != "kv" else (dataclasses.replace(r, tokens=spans[r.handle].num_tokens,
+                                                           read_tokens=read_tokens.get(r.handle, 0))
+                                       if r.handle in spans else dataclasses.replace(r, read="mismatch"))
              for r in reads]
     return dataclasses.replace(plan, items=tuple(items)), provided, reads
 
@@ -287,6 +321,30 @@ def _place(items: list[PlanItem], needle: tuple[int, ...]) -> tuple[int, int] | 
                 return i, a
             a += 1
     return None
+
+
+def _documents_read(items: list[PlanItem], found: dict[str, Kept], placed: dict[str, CompiledSpan],
+                    provided: dict[int, CompiledSpan]) -> dict[str, int]:
+    """Documents of the prompt that a placed answer's worker read, provided with the worker's KV for them
+    (whole documents, the same tokens); returns the tokens read so per handle."""
+    out: dict[str, int] = {}
+    for name in placed:
+        for doc in found[name].read:
+            j = next((j for j, it in enumerate(items) if j not in provided and it.reuse
+                      and it.span.kind == "document" and it.span.token_ids == doc.token_ids), None)
+            if j is not None:
+                provided[j] = doc
+                out[name] = out.get(name, 0) + doc.num_tokens
+    return out
+
+
+def _head(span: CompiledSpan, m: int) -> CompiledSpan:
+    """The first ``m`` tokens of a position-free span (still position-free: token i at position i)."""
+    if m == span.num_tokens:
+        return span
+    ids = span.token_ids[:m]
+    key = dataclasses.replace(span.key, tokens=token_digest(ids), num_tokens=m)
+    return CompiledSpan(key, ids, span.k[:, :, :m].contiguous(), span.v[:, :, :m].contiguous())
 
 
 def _is_kept(item: PlanItem) -> bool:

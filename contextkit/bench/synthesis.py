@@ -193,7 +193,9 @@ def _http_rows(run, reads: list[str]) -> list[dict]:
             "tf_agreement": round(sum(m["tf_agreement"]) / len(m["tf_agreement"]), 3),
             "answer_kl_p90": round(percentile(m["answer_kl"], 90), 4),
             "gold_logprob_delta": round(sum(m["gold"]) / len(m["gold"]), 4) if m.get("gold") else None,
-            "default": name != "text" and read == reads[0],
+            "escalated_share": round(sum(m["escalated"]) / len(m["escalated"]), 3),
+            "context_tokens_p50": median(m["context"]), "recomputed_tokens_p50": median(m["recomputed"]),
+            "default": name == "kv default" and read == reads[0],
         })
     return rows
 
@@ -202,7 +204,7 @@ def _http_summary(rows: list[dict], run, reads: list[str]) -> dict:
     by = {(r["read"], r["method"]): r for r in rows}
     out = {}
     for read in reads:
-        d = next((r for (rd, name), r in by.items() if rd == read and name != "text"), None)
+        d = by.get((read, "kv default"))
         if d is None:
             continue
         keys = {"join_speedup_vs_text": d["ttft_speedup_vs_text"], "join_tf_agreement": d["tf_agreement"],
@@ -211,6 +213,8 @@ def _http_summary(rows: list[dict], run, reads: list[str]) -> dict:
             out.update({f"http_{k}": v for k, v in keys.items()})
         out.update({f"http_{read}_{k}": v for k, v in keys.items()})
     named = sum(run.reads.values())
+    out["http_escalated_share"] = by[(reads[0], "kv default")]["escalated_share"] if (reads[0], "kv default") in by \
+        else None
     out["http_kv_share"] = round(run.reads.get("kv", 0) / named, 3) if named else None
     out["http_handle_reads"] = dict(run.reads)
     if run.keep_ms:

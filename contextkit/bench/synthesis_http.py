@@ -4,10 +4,11 @@ Per question, on a serve app over the bench's kit (in this process, on loopback,
 HTTP client): each worker is a streamed chat (the worker instructions as its system message, "Note:" as
 its user message, its passages as ``documents``) with ``contextkit.keep``; the synthesizer is a streamed
 chat whose documents carry the notes as text (with ``transcripts``, each worker's passages and task first)
-and whose ``contextkit.handles`` name the kept answers. Two arms, in a rotating order, on the same
-prompt: ``text`` (``reuse`` full: the notes' text prefilled, what frameworks do today) and the default
-policy reading the kept KV. TTFT is the client's (HTTP and all); the server is settled before each
-timed request so the idle span compiles of one request do not land in the next one's time.
+and whose ``contextkit.handles`` name the kept answers (serve reads each answer, and the passages its
+worker read, from the worker's KV). Arms, in a rotating order, on the same prompt: ``text`` (``reuse``
+full: the notes' text prefilled, what frameworks do today), the default policy reading the kept KV, and
+``query_attention`` r = 0.2 beside it. TTFT is the client's (HTTP and all); the server is settled before
+each timed request so the idle span compiles of one request do not land in the next one's time.
 
 Fidelity: each arm's context is assembled again in process by serve's own steps (the planner, then
 ``synthesis.handles.splice`` on the app's kept answers) and the whole answer teacher-forced against the
@@ -29,6 +30,8 @@ from contextkit.core.types import Evidence
 from contextkit.spans.fidelity import score
 
 KV = "kv default"
+# a fixed ratio beside the default, as the in-process table has: where the path stands without the profile
+FRONTIER = {"kv query_attention r=0.2": ReuseOptions(policy="query_attention", ratio=0.2, max_recompute=None)}
 
 
 @dataclass
@@ -109,8 +112,8 @@ class HTTPPath:
         msgs = [{"role": "system", "content": synth}, {"role": "user", "content": tail.strip()}]
         for read in reads:
             docs = self._documents(notes, read == "transcripts")
-            arms = {"text": False, KV: ReuseOptions()}
-            names = list(arms)[qi % 2:] + list(arms)[: qi % 2]
+            arms = {"text": False, KV: ReuseOptions(), **FRONTIER}
+            names = list(arms)[qi % len(arms):] + list(arms)[: qi % len(arms)]
             ttft = {}
             for name in names:
                 tick(f"http {read}: {name} q{qi}")
@@ -133,7 +136,7 @@ class HTTPPath:
         from contextkit.synthesis.handles import splice
 
         kit, params = self.kit, SamplingParams(max_new_tokens=self.answer_tokens)
-        kvs = {}
+        kvs, reports = {}, {}
         for name, reuse in arms.items():
             call = self.client.call(msgs, docs, max_tokens=self.answer_tokens, reuse=reuse, ordering="retrieval",
                                     handles=handles)
@@ -143,6 +146,7 @@ class HTTPPath:
             plan, provided, _ = splice(kit.plan(req), handles, self.serve.kept.store, req.tenant)
             asm = kit.spans.assemble(plan, extra_capacity=self.answer_tokens + 1, provided=provided)
             kvs[name], _ = answered(kit.engine, kit.tokenizer, plan.ids, asm.cache, asm.logits, params)
+            reports[name] = asm.report
         whole = score(kvs, same_dtype="text", fp32=None, gold=gold)
         for name in arms:
             m = self.run.per.setdefault((read, name), {})
@@ -151,3 +155,6 @@ class HTTPPath:
                 m.setdefault(key, []).append(whole[name][key])
             if whole[name]["gold_logprob_delta"] is not None:
                 m.setdefault("gold", []).append(whole[name]["gold_logprob_delta"])
+            m.setdefault("escalated", []).append(float(reports[name].escalated))
+            m.setdefault("recomputed", []).append(reports[name].recomputed_tokens)
+            m.setdefault("context", []).append(reports[name].context_tokens)

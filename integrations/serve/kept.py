@@ -85,7 +85,8 @@ class KeptAnswers:
         elif not self.store.put(stream.plan.tenant, turn.rid, *got):
             turn.kept = {"handle": None, "why": "its KV is over the kept-bytes limit"}
         else:
-            turn.kept = {"handle": turn.rid, "tokens": got[0].num_tokens, "ttl_s": self.store.limits.ttl_s}
+            turn.kept = {"handle": turn.rid, "tokens": got[0].num_tokens,
+                         "read_tokens": sum(r.num_tokens for r in got[2]), "ttl_s": self.store.limits.ttl_s}
         self.kept.labels("kept" if turn.kept["handle"] else "not_kept").inc()
         self.keep_seconds.observe(time.perf_counter() - t0)
         self._gauges()

@@ -84,9 +84,15 @@ def test_a_named_handle_is_read_from_kv_where_its_tokens_are_and_the_text_is_use
     assert got == {(5, 6, 7): (5, 6, 7), (8, 9): (8, 9)}
     assert all(new.items[i].reuse for i in provided)
     assert not new.items[-1].reuse  # the query still ends the plan
-    # a kept answer that would end the prompt is left to the text (the last item starts the answer)
+    # the answer may not end the prompt (the last item starts the answer): its end is left to the text
     tail = splice(_plan(((1,), True), ((4, 5, 6, 7), False)), ["w1"], store, acme)
-    assert [r.read for r in tail[2]] == ["mismatch"] and not tail[1]
+    assert [(r.read, r.tokens) for r in tail[2]] == [("kv", 2)] and tail[0].items[-1].span.token_ids == (7,)
+    # so are up to two last tokens the prompt tokenizes otherwise (Qwen joins "." with "\n\n")
+    merged = splice(_plan(((3, 5, 6, 99, 4), True), ((10,), False)), ["w1"], store, acme)
+    assert [(r.read, r.tokens) for r in merged[2]] == [("kv", 2)]
+    assert [s.token_ids for s in merged[1].values()] == [(5, 6)] and merged[0].ids == [3, 5, 6, 99, 4, 10]
+    (span,) = merged[1].values()
+    assert span.problem(span.key) is None and span.k.shape[2] == 2
     # a request that prefills in full reads nothing from KV
     full = splice(_plan(((5, 6, 7), True), ((4,), False), options=ReuseOptions(policy="full")), ["w1"], store, acme)
     assert [r.read for r in full[2]] == ["not_reused"] and not full[1]
@@ -113,3 +119,17 @@ def test_auto_finds_the_tenants_recent_answers_by_their_text():
     assert [s.token_ids for s in provided.values()] == [(5, 6, 7)] and new.ids == plan.ids
     with pytest.raises(InputError, match="auto"):
         splice(plan, "all", store, acme)
+
+
+def test_the_documents_a_worker_read_are_read_from_its_kv_where_the_prompt_has_them_whole():
+    store, acme = KeptSpans(), Tenant("acme")
+    passage, other = _span((40, 41, 42), "acme"), _span((50, 51), "acme")
+    store.put(acme, "w1", _span((5, 6, 7), "acme"), "note", read=[passage, other])
+    assert store.stats()["bytes"] == 64 * 8  # the answer and what its worker read
+    plan = _plan(((1,), True), ((40, 41, 42), True), ((50, 51, 52), True), ((3, 5, 6, 7, 4), True), ((9,), False))
+    new, provided, reads = splice(plan, ["w1"], store, acme)
+    assert [(r.read, r.tokens, r.read_tokens) for r in reads] == [("kv", 3, 3)]  # (50, 51) is no whole document
+    assert provided[1] is passage and new.ids == plan.ids
+    # a worker's documents alone (its answer not in the prompt) are not read: the handle is a mismatch
+    none = splice(_plan(((40, 41, 42), True), ((9,), False)), ["w1"], store, acme)
+    assert [r.read for r in none[2]] == ["mismatch"] and not none[1]

@@ -61,7 +61,7 @@ def test_a_worker_keeps_its_answer_and_a_synthesizer_reads_it_from_kv(served):
     note = worker.choices[0].message.content
     r = _synth(client, tenant, note, worker.id)
     ext = r.model_extra["contextkit"]
-    assert ext["handles"] == [{"handle": worker.id, "read": "kv", "tokens": kept["tokens"]}]
+    assert ext["handles"] == [{"handle": worker.id, "read": "kv", "tokens": kept["tokens"], "read_tokens": 0}]
     assert ext["reused_tokens"] + ext["recomputed_tokens"] >= kept["tokens"]
     # the same request named by a handle in contextkit.handles instead of on the document
     r2 = _synth(client, tenant, note, None, handles=[worker.id])
@@ -80,7 +80,7 @@ def test_auto_finds_a_kept_answer_inside_a_message(served):
     r = client.chat.completions.create(model="smol-local", max_tokens=8, temperature=0, messages=msgs,
                                        extra_body={"contextkit": {"tenant": tenant, "handles": "auto"}})
     ext = r.model_extra["contextkit"]
-    assert ext["handles"] == [{"handle": worker.id, "read": "kv", "tokens": kept["tokens"]}]
+    assert ext["handles"] == [{"handle": worker.id, "read": "kv", "tokens": kept["tokens"], "read_tokens": 0}]
     other = client.chat.completions.create(model="smol-local", max_tokens=2, temperature=0, messages=msgs,
                                            extra_body={"contextkit": {"tenant": _fresh("other"), "handles": "auto"}})
     assert other.model_extra["contextkit"]["handles"] == []  # another tenant's answers are never looked at
@@ -124,27 +124,28 @@ def test_more_handles_than_the_limit_is_422_naming_it(served):
 
 
 def test_the_kept_kv_is_the_answers_kv_in_its_workers_context(config):
-    """``keep_answer`` against a full prefill of the worker's prompt and answer: the same keys and values,
-    re-positioned to 0 (fp32)."""
+    """``keep_answer`` against a full prefill of the worker's prompt and answer: the same keys and values
+    of the answer and of the document the worker read, each re-positioned to 0 (fp32)."""
     from contextkit.core.generation import SamplingParams
+    from contextkit.spans.compile import rotate_layers
 
     with ContextKit(config) as kit:
-        req = kit.request([{"role": "user", "content": TASK}])
-        plan = kit.plan(req)
+        req = kit.request(TASK, ["The Moon orbits the Earth every 27.3 days and has no atmosphere."])
+        plan = kit.plan(req)  # no reuse asked: a plain prefill, the document computed in context
         stream = kit.run(plan, SamplingParams(max_new_tokens=12))
         gen = stream.finish()
         got = keep_answer(kit.spans, stream.generation, plan, plan.tenant)
         assert not isinstance(got, str), got
-        span, text = got
-        assert text == gen.text.strip()
+        span, text, read = got
+        assert text == gen.text.strip() and len(read) == 1
         ids = plan.ids + list(gen.token_ids)
         cache = kit.engine.new_cache(len(ids))
         kit.engine.forward(cache, ids, logits="none")
-        start = ids.index(span.token_ids[0], len(plan.ids))
-        ref = kit.spans.engine  # keys of the reference rotated back to position 0 as keep_answer does
-        from contextkit.spans.compile import rotate_layers
-
-        k = cache.k[:, :, start:start + span.num_tokens].contiguous()
-        rotate_layers(ref, k, -start, k, kit.spans.rerotator)
-        torch.testing.assert_close(span.k, k, atol=2e-4, rtol=1e-3)
-        torch.testing.assert_close(span.v, cache.v[:, :, start:start + span.num_tokens], atol=2e-4, rtol=1e-3)
+        doc_at = next(sum(len(it.span.token_ids) for it in plan.items[:i])
+                      for i, it in enumerate(plan.items) if it.span.kind == "document")
+        answer_at = ids.index(span.token_ids[0], len(plan.ids))
+        for kept, at in ((span, answer_at), (read[0], doc_at)):
+            k = cache.k[:, :, at:at + kept.num_tokens].contiguous()
+            rotate_layers(kit.spans.engine, k, -at, k, kit.spans.rerotator)
+            torch.testing.assert_close(kept.k, k, atol=2e-4, rtol=1e-3)
+            torch.testing.assert_close(kept.v, cache.v[:, :, at:at + kept.num_tokens], atol=2e-4, rtol=1e-3)
