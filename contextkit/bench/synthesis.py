@@ -64,13 +64,18 @@ def methods() -> dict[str, ReuseOptions]:
     }
 
 
+def _choices(ctx: BenchContext, key: str, allowed: tuple[str, ...], default: str) -> list[str]:
+    """``--set KEY=a,b``: a comma-separated choice among ``allowed`` (a clear error otherwise)."""
+    chosen = [r.strip() for r in ctx.option(key, default, str).split(",")]
+    if not chosen or any(r not in allowed for r in chosen):
+        raise InputError(f"--set {key}= takes {' and/or '.join(allowed)} (comma-separated), "
+                         f"got {ctx.option(key, '', str)!r}")
+    return chosen
+
+
 def _reads(ctx: BenchContext) -> list[str]:
     """``--set read=``: what the synthesizer reads of the workers (their notes, or whole transcripts)."""
-    reads = [r.strip() for r in ctx.option("read", "notes,transcripts", str).split(",")]
-    if not reads or any(r not in READS for r in reads):
-        raise InputError(f"--set read= takes {' or '.join(READS)} (comma-separated), "
-                         f"got {ctx.option('read', '', str)!r}")
-    return reads
+    return _choices(ctx, "read", READS, "notes,transcripts")
 
 
 def _workers(kit, rec, workers: int, note_tokens: int):
@@ -176,11 +181,7 @@ PATHS = ("local", "http")
 
 def _paths(ctx: BenchContext) -> list[str]:
     """``--set paths=``: in process (the fork's KV), over HTTP to serve (kept answers), or both."""
-    paths = [p.strip() for p in ctx.option("paths", "local,http", str).split(",")]
-    if not paths or any(p not in PATHS for p in paths):
-        raise InputError(f"--set paths= takes {' and/or '.join(PATHS)} (comma-separated), "
-                         f"got {ctx.option('paths', '', str)!r}")
-    return paths
+    return _choices(ctx, "paths", PATHS, "local,http")
 
 
 def _http_rows(run, reads: list[str]) -> list[dict]:
