@@ -151,14 +151,26 @@ def test_bench_synthesis_small_run(tmp_path, smol_dir, cli):
     for key in ("ttft_speedup_vs_text", "answer_f1_delta", "answer_agreement_f1", "transcripts_ttft_speedup_vs_text",
                 "tf_agreement", "answer_kl_p90", "gold_logprob_delta", "transcripts_tf_agreement"):
         assert key in result["summary"], key
-    rows = {(r["read"], r["method"]): r for r in result["rows"]}
+    rows = {(r["path"], r["read"], r["method"]): r for r in result["rows"]}
     for read in ("notes", "transcripts"):
-        assert rows[(read, "text")]["answer_agreement_f1"] == 1.0 and rows[(read, "text")]["top1_agreement"] == 1.0
-        assert rows[(read, "text")]["tf_agreement"] == 1.0 and rows[(read, "text")]["gold_logprob_delta"] == 0
-        assert 0 <= rows[(read, "kv reuse")]["tf_agreement"] <= 1 and rows[(read, "kv reuse")]["answer_kl_p90"] >= 0
+        text = rows[("local", read, "text")]
+        assert text["answer_agreement_f1"] == 1.0 and text["top1_agreement"] == 1.0
+        assert text["tf_agreement"] == 1.0 and text["gold_logprob_delta"] == 0
+        reuse = rows[("local", read, "kv reuse")]
+        assert 0 <= reuse["tf_agreement"] <= 1 and reuse["answer_kl_p90"] >= 0
     # a transcript holds the worker's passages and its note: a longer context than the note alone
-    assert rows[("transcripts", "text")]["context_tokens_p50"] > rows[("notes", "text")]["context_tokens_p50"]
-    assert sum(r["default"] for r in result["rows"]) == 1
+    for path in ("local", "http"):
+        assert rows[(path, "transcripts", "text")]["context_tokens_p50"] > rows[(path, "notes", "text")][
+            "context_tokens_p50"]
+        assert sum(r["default"] for r in result["rows"] if r["path"] == path) == 1
+    # over HTTP to serve: the workers kept their answers, the joins named them, each arm against its own
+    # text re-prefill (the same prompt: the text arm against itself agrees fully)
+    s = result["summary"]
+    for key in ("http_join_speedup_vs_text", "http_join_tf_agreement", "http_transcripts_join_tf_agreement",
+                "http_kv_share", "http_keep_overhead_vs_worker_ttft"):
+        assert s[key] is not None, key
+    assert rows[("http", "notes", "text")]["tf_agreement"] == 1.0
+    assert 0 <= s["http_join_tf_agreement"] <= 1 and 0 < s["http_kv_share"] <= 1
     proc = cli("bench", "synthesis", "--n", "1", "--set", "read=everything")
     assert proc.returncode == 2 and "read=" in proc.stderr and "Traceback" not in proc.stderr
 
