@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contextkit.core.config import check_remote_url
 from contextkit.core.errors import ConfigError, CorruptEntryError
 from contextkit.kvstore.base import StoreKey, TierStats
 from contextkit.kvstore.deadline import Deadline
@@ -91,10 +92,7 @@ class LMCacheTierConfig:
         if self.kind == "disk" and self.disk_dir is None:
             raise ConfigError("a disk tier needs disk_dir (a directory it may own)")
         if self.kind == "remote":
-            url = urllib.parse.urlparse(self.remote_url or "")
-            if url.scheme not in ("lm", "redis") or not url.hostname or not url.port:
-                raise ConfigError(f"remote_url must be lm://host:port (lmcache_server) or redis://host:port, "
-                                  f"got {self.remote_url!r}")
+            check_remote_url(self.remote_url or "")
         if len(self.mac_key) != MAC_BYTES:
             raise ConfigError(f"an LMCache tier needs mac_key ({MAC_BYTES} bytes, "
                               "contextkit.core.tenancy.derive(secret, 'kv-mac')): entries that leave the process "

@@ -9,6 +9,26 @@ from contextkit.core.errors import ConfigError
 
 DEFAULT_CACHE_DIR = Path("~/.cache/contextkit")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The shared (remote) KV tiers, by URL scheme: each is one of LMCache's remote connectors (kvstore/lmcache_tier.py).
+# The one list every setting that takes a remote URL checks against (serve's KVStoreConfig, the vLLM
+# connector's settings, the LMCache tier itself).
+REMOTE_SCHEMES = {"lm": "lmcache_server", "redis": "Redis"}
+
+
+def check_remote_url(url: str, *, setting: str = "remote_url") -> str:
+    """``url`` if it names a remote tier as ``scheme://host:port`` with a scheme of ``REMOTE_SCHEMES``; else a
+    ConfigError that lists them."""
+    import urllib.parse
+
+    try:
+        parsed = urllib.parse.urlparse(url)
+        ok = parsed.scheme in REMOTE_SCHEMES and bool(parsed.hostname) and bool(parsed.port)
+    except ValueError:  # a port that is not a number
+        ok = False
+    if not ok:
+        kinds = " or ".join(f"{scheme}://host:port ({what})" for scheme, what in REMOTE_SCHEMES.items())
+        raise ConfigError(f"{setting} must be {kinds}, got {url!r}")
+    return url
 
 
 def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -78,8 +98,8 @@ class KVStoreConfig:
             raise ConfigError("kvstore memory_bytes and disk_bytes must be positive")
         if self.remote_timeout_s <= 0:
             raise ConfigError(f"kvstore remote_timeout_s must be positive, got {self.remote_timeout_s}")
-        if self.remote_url and not self.remote_url.startswith(("lm://", "redis://")):
-            raise ConfigError(f"kvstore remote_url must start with lm:// or redis://, got {self.remote_url!r}")
+        if self.remote_url:
+            check_remote_url(self.remote_url, setting="kvstore remote_url")
         if self.disk_dir is not None:
             object.__setattr__(self, "disk_dir", Path(self.disk_dir).expanduser())
 

@@ -219,14 +219,11 @@ def _tiers(s: ConnectorSettings):
     """The connector's tiers, built as every process that keeps KV builds them (``kvstore.tiered.build_store``):
     disk and/or remote, no memory tier (vLLM's prefix cache is this server's memory tier), each call within
     the step's deadline."""
-    from contextkit.core.config import KVStoreConfig
     from contextkit.kvstore.tiered import build_store
 
     secret = deployment_secret(s.cache_dir, path=s.secret_file)
-    cfg = KVStoreConfig(disk_dir=s.disk_dir, disk_bytes=s.disk_bytes, remote_url=s.remote_url,
-                        remote_timeout_s=s.timeout_s, encrypt=s.encrypt)
-    return build_store(cfg, derive(secret, "kv-mac"), derive(secret, "kv-enc") if s.encrypt else None, memory=False,
-                       disk_timeout_s=s.timeout_s)
+    return build_store(s.store(), derive(secret, "kv-mac"), derive(secret, "kv-enc") if s.encrypt else None,
+                       memory=False, disk_timeout_s=s.timeout_s)
 
 
 def _rope_specs(model_dir: Path):

@@ -18,12 +18,11 @@ by ``secret_file``), never passed on the command line, where ``ps`` would show i
 from __future__ import annotations
 
 import json
-import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from contextkit.core.config import DEFAULT_CACHE_DIR
+from contextkit.core.config import DEFAULT_CACHE_DIR, KVStoreConfig, check_remote_url
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.vllm_connector.wire import KEY
 
@@ -110,9 +109,7 @@ class ConnectorSettings:
             raise ConfigError("the contextkit connector needs a store: set disk_dir (survives restarts) and/or "
                               "remote_url (redis://host:port or lm://host:port, shared by servers)")
         if self.remote_url:
-            url = urllib.parse.urlparse(self.remote_url)
-            if url.scheme not in ("redis", "lm") or not url.hostname or not url.port:
-                raise ConfigError(f"remote_url must be redis://host:port or lm://host:port, got {self.remote_url!r}")
+            check_remote_url(self.remote_url)
         if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue_bytes <= 0 or self.max_spans <= 0:
             raise ConfigError(f"timeout_s, disk_bytes, save_queue_bytes and max_spans must be positive, got "
                               f"{self.timeout_s}, {self.disk_bytes}, {self.save_queue_bytes}, {self.max_spans}")
@@ -134,6 +131,12 @@ class ConnectorSettings:
                 continue
             if type(value) is not int or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    def store(self) -> KVStoreConfig:
+        """The tiers this server keeps KV in, as every process that keeps KV describes them (``build_store``
+        builds them); no memory tier: vLLM's prefix cache is this server's."""
+        return KVStoreConfig(disk_dir=self.disk_dir, disk_bytes=self.disk_bytes, remote_url=self.remote_url,
+                             remote_timeout_s=self.timeout_s, encrypt=self.encrypt)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

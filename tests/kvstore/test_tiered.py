@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from contextkit.core.config import KVStoreConfig
+from contextkit.core.config import REMOTE_SCHEMES, KVStoreConfig
 from contextkit.core.errors import ConfigError
 from contextkit.kvstore.lmcache_tier import LMCacheTier, LMCacheTierConfig
 from contextkit.kvstore.memory import MemoryTier
@@ -50,7 +50,7 @@ def test_build_store_and_bad_config(tmp_path, redis_url, mac):
         assert all(t.cfg.timeout_s == 0.5 for t in store.tiers)
     finally:
         store.close()
-    with pytest.raises(ConfigError, match="lm:// or redis://"):
+    with pytest.raises(ConfigError, match="lm://host:port .* or redis://host:port"):
         KVStoreConfig(remote_url="http://localhost:1")
     with pytest.raises(ConfigError):
         KVStoreConfig(memory_bytes=0)
@@ -96,3 +96,20 @@ def test_span_cache_serves_spans_across_restarts_and_processes(tmp_path, smol_di
     shared = _span_run(smol_dir, remote=redis_url)  # Redis, shared by processes
     other = _span_run(smol_dir, remote=redis_url)
     assert other["hit"] and other["k"] == shared["k"] == first["k"]
+
+
+@pytest.mark.parametrize("url", ["http://localhost:1", "redis://localhost", "lm://:7000", "redis://host:port",
+                                 "redis:localhost:6379"])
+def test_every_setting_that_takes_a_remote_tier_checks_the_one_list(url, tmp_path):
+    # serve's kvstore, the vLLM connector's settings and the LMCache tier refuse the same URLs with one message
+    from contextkit.integrations.vllm_connector import ConnectorSettings
+
+    messages = []
+    for make in (lambda: KVStoreConfig(remote_url=url), lambda: ConnectorSettings(remote_url=url),
+                 lambda: LMCacheTierConfig("remote", remote_url=url, mac_key=bytes(32))):
+        with pytest.raises(ConfigError) as info:
+            make()
+        messages.append(str(info.value).split(" must be ")[1])
+    assert len(set(messages)) == 1 and repr(url) in messages[0]
+    for scheme in REMOTE_SCHEMES:
+        assert ConnectorSettings(remote_url=f"{scheme}://127.0.0.1:1").store().remote_url == f"{scheme}://127.0.0.1:1"
