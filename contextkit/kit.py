@@ -8,7 +8,9 @@ where documents are position-free spans compiled once and re-positioned into lat
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Sequence
+from typing import Concatenate, ParamSpec
 
 import torch
 
@@ -31,6 +33,8 @@ from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import find_profile
 from contextkit.spans.store import CompiledSpan, KVSpanStore
 from contextkit.synthesis.skills import SkillLibrary
+
+P = ParamSpec("P")
 
 
 class KitStream:
@@ -76,6 +80,21 @@ class KitStream:
             pass
         assert self.result is not None
         return self.result
+
+
+def _finished(
+    stream: Callable[Concatenate[ContextKit, P], KitStream], doc: str,
+) -> Callable[Concatenate[ContextKit, P], Generation]:
+    """A method that takes ``stream``'s arguments and returns its finished Generation: one signature for both
+    (``help`` and ``inspect`` show it; type checkers follow ``P``)."""
+
+    def generate(self: ContextKit, *args: P.args, **kwargs: P.kwargs) -> Generation:
+        return stream(self, *args, **kwargs).finish()
+
+    generate.__doc__ = doc
+    generate.__signature__ = inspect.signature(stream).replace(return_annotation="Generation")
+    generate.__qualname__ = "ContextKit.generate"
+    return generate
 
 
 class ContextKit:
@@ -216,19 +235,6 @@ class ContextKit:
         req = self.request(question, documents, system, params, reuse, tenant, ordering, skills)
         return self.run(self.plan(req), params)
 
-    def generate(
-        self,
-        question: str | Sequence[Message | dict],
-        documents: Sequence[Evidence | str] = (),
-        system: str | None = None,
-        params: SamplingParams = SamplingParams(),
-        reuse: ReuseOptions | None = None,
-        tenant: Tenant | str = "",
-        ordering: Ordering = "weaver",
-        skills: Sequence[Skill | str] = (),
-    ) -> Generation:
-        """Answer ``question`` over ``documents``: full prefill, or span reuse per ``reuse``.
-
-        The Generation's ``reuse`` field reports what was reused, recomputed and prefilled.
-        """
-        return self.stream(question, documents, system, params, reuse, tenant, ordering, skills).finish()
+    generate = _finished(stream, """Answer ``question`` over ``documents`` (the arguments of ``stream``): full
+        prefill, or span reuse per ``reuse``. The Generation's ``reuse`` field reports what was reused,
+        recomputed and prefilled.""")

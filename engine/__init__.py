@@ -3,7 +3,7 @@
 ``Engine`` implements ``contextkit.core.engine.KVEngine``, the seam the span cache talks to.
 """
 
-from contextkit.engine.generate import Stream, generate
+from contextkit.engine.generate import Stream
 from contextkit.engine.model import Engine
 
-__all__ = ["Engine", "Stream", "generate"]
+__all__ = ["Engine", "Stream"]

@@ -129,19 +129,6 @@ def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
     return min(hits) if hits else None
 
 
-def generate(
-    engine: KVEngine,
-    tokenizer: Detokenizer,
-    prompt_ids: Sequence[int],
-    params: SamplingParams = SamplingParams(),
-    cache: KVCache | None = None,
-    first_logits: torch.Tensor | None = None,
-) -> Generation:
-    """Prefill ``prompt_ids`` (unless ``first_logits`` says they are in ``cache``) and decode until a
-    stop token, a stop string or ``max_new_tokens``."""
-    return Stream(engine, tokenizer, prompt_ids, params, cache, first_logits).finish()
-
-
 def _ban(logits: torch.Tensor, token_ids: list[int], on: bool) -> torch.Tensor:
     """``logits`` with ``token_ids`` made impossible when ``on`` (a copy; the engine's row is left alone)."""
     if not on or not token_ids:

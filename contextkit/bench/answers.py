@@ -9,7 +9,7 @@ import torch
 from contextkit.core.engine import KVEngine
 from contextkit.core.generation import Generation, SamplingParams
 from contextkit.core.kvcache import KVCache
-from contextkit.engine.generate import Detokenizer, generate
+from contextkit.engine.generate import Detokenizer, Stream
 from contextkit.spans.fidelity import MethodKV
 
 
@@ -19,7 +19,7 @@ def answered(engine: KVEngine, tokenizer: Detokenizer, prompt_ids: Sequence[int]
     predicting the first answer token), with the cache truncated back to the prompt: the ``MethodKV`` to
     score once every method has run, and the generation (its text, for the answer-quality metrics)."""
     length = cache.length
-    gen = generate(engine, tokenizer, prompt_ids, params, cache=cache, first_logits=first_logits)
+    gen = Stream(engine, tokenizer, prompt_ids, params, cache=cache, first_logits=first_logits).finish()
     cache.truncate(length)
     return MethodKV(engine, cache, first_logits, tuple(gen.token_ids), gen.finish_reason == "stop"), gen
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
 from contextkit.core.planner import content_id
 from contextkit.core.tenant import Tenant
 from contextkit.core.types import Doc, Evidence
@@ -25,6 +27,29 @@ def client_of(client: Any, base_url: str | None, api_key: str | None, model: str
     if not isinstance(client, Client):
         raise ValueError(f"client must be a contextkit Client (contextkit.connect()), got {type(client).__name__}")
     return client
+
+
+class Reordering(BaseModel):
+    """The settings and the Weaver of a framework's reorder step (LangChain's compressor, LlamaIndex's
+    postprocessor, each a pydantic model of its framework that also derives from this one).
+
+    ``block_size``: the engine's KV block size (vLLM: 16 on GPU, 32 on CPU). ``tenant``: whose served history
+    the order follows. ``count_tokens``: a document's length in tokens (default: characters / 4, enough to
+    rank; pass the model tokenizer's for exact blocks)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    block_size: int = 16
+    tenant: str = ""
+    count_tokens: Callable[[str], int] | None = None
+    _weaver: Weaver = PrivateAttr()
+
+    def model_post_init(self, __context: Any) -> None:
+        self._weaver = Weaver(block_size=self.block_size)
+        Tenant.of(self.tenant)  # checked once, here
+
+    def reordered(self, evidence: Sequence[Evidence]) -> list[int]:
+        return reuse_order(evidence, self._weaver, self.tenant, self.count_tokens)
 
 
 def reuse_order(evidence: Sequence[Evidence], weaver: Weaver, tenant: str,

@@ -27,16 +27,14 @@ try:
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+    from pydantic import ConfigDict, Field, SecretStr
 except ImportError as exc:  # pragma: no cover - exercised by a test in a subprocess
     raise ImportError("contextkit.integrations.frameworks.langchain needs langchain-core: "
                       "pip install 'contextkit[langchain]'") from exc
 
 from contextkit.core.errors import InputError
-from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.frameworks.adapter import client_of, reuse_order
-from contextkit.ordering.weaver import Weaver
+from contextkit.integrations.frameworks.adapter import Reordering, client_of
 from contextkit.sdk.shapes import Answer
 
 ROLE = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "developer": "developer"}
@@ -164,29 +162,15 @@ class ChatContextKit(BaseChatModel):
         yield self._last_chunk(stream.answer)
 
 
-class ContextKitReorder(BaseDocumentCompressor):
+class ContextKitReorder(BaseDocumentCompressor, Reordering):
     """Orders retrieved documents so that the longest run this tenant already sent comes first (the Weaver's
     prefix tree over served orders; ties keep retrieval order). Returns the same ``Document`` objects.
-
-    ``block_size``: the engine's KV block size (vLLM: 16 on GPU, 32 on CPU). ``count_tokens``: a document's
-    length in tokens (default: characters / 4, enough to rank; pass the model tokenizer's for exact blocks).
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    block_size: int = 16
-    tenant: str = ""
-    count_tokens: Callable[[str], int] | None = None
-    _weaver: Weaver = PrivateAttr()
-
-    def model_post_init(self, __context: Any) -> None:
-        self._weaver = Weaver(block_size=self.block_size)
-        Tenant.of(self.tenant)  # checked once, here
+    Settings (``block_size``, ``tenant``, ``count_tokens``): ``contextkit.integrations.frameworks.adapter.
+    Reordering``."""
 
     def compress_documents(self, documents: Sequence[Document], query: str,
                            callbacks: Callbacks | None = None) -> Sequence[Document]:
-        evidence = [to_evidence(d, i) for i, d in enumerate(documents)]
-        return [documents[i] for i in reuse_order(evidence, self._weaver, self.tenant, self.count_tokens)]
+        return [documents[i] for i in self.reordered([to_evidence(d, i) for i, d in enumerate(documents)])]
 
 
 class EvidenceRetriever(BaseRetriever):

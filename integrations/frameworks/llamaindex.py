@@ -37,17 +37,15 @@ try:
     from llama_index.core.query_engine import CustomQueryEngine
     from llama_index.core.retrievers import BaseRetriever
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-    from pydantic import ConfigDict, Field, PrivateAttr
+    from pydantic import ConfigDict, Field
 except ImportError as exc:  # pragma: no cover - exercised by a test in a subprocess
     raise ImportError("contextkit.integrations.frameworks.llamaindex needs llama-index-core: "
                       "pip install 'contextkit[llamaindex]'") from exc
 
 from contextkit.core.errors import InputError
 from contextkit.core.planner import content_id
-from contextkit.core.tenant import Tenant
 from contextkit.core.types import Evidence, Message
-from contextkit.integrations.frameworks.adapter import client_of, reuse_order
-from contextkit.ordering.weaver import Weaver
+from contextkit.integrations.frameworks.adapter import Reordering, client_of
 from contextkit.sdk.shapes import Answer
 
 
@@ -199,20 +197,10 @@ class ContextKitLLM(CustomLLM):
         return gen()
 
 
-class ContextKitReorderPostprocessor(BaseNodePostprocessor):
+class ContextKitReorderPostprocessor(BaseNodePostprocessor, Reordering):
     """Orders nodes so that the longest run this tenant already sent comes first (the Weaver; see
-    ``contextkit.integrations.frameworks.langchain.ContextKitReorder``). ``count_tokens`` default: characters / 4."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    block_size: int = 16
-    tenant: str = ""
-    count_tokens: Callable[[str], int] | None = None
-    _weaver: Weaver = PrivateAttr()
-
-    def model_post_init(self, __context: Any) -> None:
-        self._weaver = Weaver(block_size=self.block_size)
-        Tenant.of(self.tenant)
+    ``contextkit.integrations.frameworks.langchain.ContextKitReorder``). Settings (``block_size``, ``tenant``,
+    ``count_tokens``): ``contextkit.integrations.frameworks.adapter.Reordering``."""
 
     @classmethod
     def class_name(cls) -> str:
@@ -220,8 +208,7 @@ class ContextKitReorderPostprocessor(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
                            query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        evidence = [to_evidence(n, i) for i, n in enumerate(nodes)]
-        return [nodes[i] for i in reuse_order(evidence, self._weaver, self.tenant, self.count_tokens)]
+        return [nodes[i] for i in self.reordered([to_evidence(n, i) for i, n in enumerate(nodes)])]
 
 
 class EvidenceRetriever(BaseRetriever):

@@ -12,7 +12,7 @@ from contextkit.core.generation import SamplingParams
 from contextkit.core.planner import ChatRequest, Planner
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence
-from contextkit.engine.generate import Stream, generate, sample
+from contextkit.engine.generate import Stream, sample
 from contextkit.engine.model import Engine
 
 
@@ -35,7 +35,7 @@ def test_greedy_matches_transformers_generate(smol, prompt):
     engine, tok, d = smol
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
-    ours = generate(engine, tok, prompt, SamplingParams(max_new_tokens=48))
+    ours = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=48)).finish()
     eos = set(engine.spec.eos_token_ids)
     assert ref[-1] in eos and ours.finish_reason == "stop"  # this prompt's answer ends before 48 tokens
     assert list(ours.token_ids) == ref[:-1]
@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_generate(smol, prompt):
 
 def test_stops_at_eos(smol, prompt):
     engine, tok, _ = smol
-    g = generate(engine, tok, prompt, SamplingParams(max_new_tokens=200))
+    g = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=200)).finish()
     assert g.finish_reason == "stop"
     assert len(g.token_ids) < 200
     assert not set(g.token_ids) & set(engine.spec.eos_token_ids)
@@ -56,14 +56,14 @@ def test_min_new_tokens_holds_off_eos_and_stop_strings(smol, prompt):
     """vLLM's ``min_tokens``: the answer that ends at EOS goes on past it, and a stop string inside the
     first tokens does not cut it; past the minimum both end it again."""
     engine, tok, _ = smol
-    free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=200))
+    free = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=200)).finish()
     n = len(free.token_ids)
-    held = generate(engine, tok, prompt, SamplingParams(max_new_tokens=n + 8, min_new_tokens=n + 4))
+    held = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=n + 8, min_new_tokens=n + 4)).finish()
     assert len(held.token_ids) >= n + 4 and list(held.token_ids[:n]) == list(free.token_ids)
     assert not set(held.token_ids[: n + 4]) & set(engine.spec.eos_token_ids)
     stop = free.text.split()[1]
-    assert generate(engine, tok, prompt, SamplingParams(max_new_tokens=40, stop=(stop,))).finish_reason == "stop"
-    early = generate(engine, tok, prompt, SamplingParams(max_new_tokens=6, stop=(stop,), min_new_tokens=6))
+    assert Stream(engine, tok, prompt, SamplingParams(max_new_tokens=40, stop=(stop,))).finish().finish_reason == "stop"
+    early = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=6, stop=(stop,), min_new_tokens=6)).finish()
     assert len(early.token_ids) == 6 and early.finish_reason == "length"
     with pytest.raises(ConfigError, match="min_new_tokens"):
         SamplingParams(max_new_tokens=4, min_new_tokens=5)
@@ -72,7 +72,7 @@ def test_min_new_tokens_holds_off_eos_and_stop_strings(smol, prompt):
 @pytest.mark.slow  # long generations
 def test_stop_string_cuts_text_and_streaming_never_leaks_it(smol, prompt):
     engine, tok, _ = smol
-    free = generate(engine, tok, prompt, SamplingParams(max_new_tokens=40))
+    free = Stream(engine, tok, prompt, SamplingParams(max_new_tokens=40)).finish()
     words = free.text.split()
     assert len(words) >= 3
     stop = " " + words[2]  # a stop string that occurs in the greedy answer
@@ -97,8 +97,8 @@ def test_streamed_deltas_add_up_to_the_text(smol, prompt):
 def test_sampling_is_seeded_and_respects_top_k(smol, prompt):
     engine, tok, _ = smol
     p = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7, stop_token_ids=())
-    a = generate(engine, tok, prompt, p)
-    b = generate(engine, tok, prompt, p)
+    a = Stream(engine, tok, prompt, p).finish()
+    b = Stream(engine, tok, prompt, p).finish()
     assert a.token_ids == b.token_ids
     logits = torch.randn(1000)
     top3 = set(torch.topk(logits, 3).indices.tolist())

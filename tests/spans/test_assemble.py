@@ -15,7 +15,7 @@ from contextkit.core.policy import ReuseOptions
 from contextkit.core.tenant import Tenant
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.core.types import Evidence, Message, Span
-from contextkit.engine.generate import generate
+from contextkit.engine.generate import Stream
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
 from contextkit.spans.key import span_key
@@ -163,9 +163,9 @@ def test_decoding_from_an_assembly(smol):
     engine, tok, cache, items, full, _ = smol
     ids = [t for it in items for t in it.span.token_ids]
     params = SamplingParams(max_new_tokens=12)
-    direct = generate(engine, tok, ids, params)
+    direct = Stream(engine, tok, ids, params).finish()
     assembled = cache.assemble(RequestPlan(items, ReuseOptions(policy="full")), extra_capacity=16)
-    via = generate(engine, tok, ids, params, cache=assembled.cache, first_logits=assembled.logits)
+    via = Stream(engine, tok, ids, params, cache=assembled.cache, first_logits=assembled.logits).finish()
     assert via.token_ids == direct.token_ids
 
 
