@@ -18,7 +18,6 @@ handle is the same miss as an unknown one.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 import time
@@ -30,10 +29,9 @@ from typing import Any, Literal
 import torch
 
 from contextkit.core.errors import ConfigError, InputError
-from contextkit.core.plan import PlanItem, RequestPlan
+from contextkit.core.plan import RequestPlan
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import Span
-from contextkit.spans.key import span_key, token_digest
+from contextkit.spans.key import span_key
 from contextkit.spans.store import CompiledSpan
 
 HANDLE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what our response ids look like (and a caller's own)
@@ -241,124 +239,3 @@ def keep_answer(spans, stream, plan: RequestPlan,
                 read.append(generated_span(spans, cache, range(at, at + n), it.span.token_ids, seen, tenant))
             at += n
     return span, text, tuple(read)
-
-
-TAIL_SLACK = 2  # answer tokens at the end that may be left to the text (they tokenize with what follows)
-AUTO = "auto"  # ``contextkit.handles: "auto"``: the tenant's recent kept answers, wherever their text is
-
-
-def splice(plan: RequestPlan, handles: Sequence[Any] | str, store: KeptSpans,
-           tenant: Tenant) -> tuple[RequestPlan, dict[int, CompiledSpan], list[HandleRead]]:
-    """``plan`` with each named handle's kept answer, where its tokens are in the prompt, made a reused
-    span read from its KV: returns the new plan, the KV it is provided with (item index -> span) and what
-    was done with each handle, in the order named.
-
-    ``handles`` may be ``AUTO``: the tenant's ``max_per_request`` most recent kept answers are looked for
-    (for a framework that passes results on as text and drops response ids); only those found are
-    reported."""
-    if isinstance(handles, str):
-        if handles != AUTO:
-            raise InputError(f"contextkit.handles is a list of handles or {AUTO!r}, got {handles[:40]!r}",
-                             "contextkit")
-        new, provided, reads = splice(plan, store.recent(tenant, store.limits.max_per_request), store, tenant)
-        return new, provided, [r for r in reads if r.read in ("kv", "not_reused")]
-    if len(handles) > store.limits.max_per_request:
-        raise InputError(f"{len(handles)} handles named; at most {store.limits.max_per_request} per request "
-                         "(send the rest as text only)", "contextkit")
-    reads: list[HandleRead] = []
-    found: dict[str, Kept] = {}
-    for h in handles:
-        name = h if isinstance(h, str) else repr(h)[:40]
-        if name in found or any(r.handle == name for r in reads):
-            reads.append(HandleRead(name, "repeated"))
-            continue
-        kept, why = store.get(tenant, h)
-        if kept is None:
-            reads.append(HandleRead(name, why))
-        elif plan.options is None or plan.options.policy == "full":
-            reads.append(HandleRead(name, "not_reused"))
-        else:
-            found[name] = kept
-            reads.append(HandleRead(name, "kv"))
-    items = list(plan.items)
-    spans: dict[str, CompiledSpan] = {}
-    for name, kept in found.items():
-        ids = kept.span.token_ids
-        # the answer's last tokens may tokenize otherwise before what follows it in the prompt (Qwen's
-        # pre-tokenizer joins "." and "\n\n"): up to TAIL_SLACK of them are left to be computed in context
-        for m in range(len(ids), max(len(ids) - TAIL_SLACK, 1) - 1, -1):
-            at = _place(items, ids[:m])
-            if at is not None:
-                i, a = at
-                items[i:i + 1] = _split(items[i], a, m, name)
-                spans[name] = _head(kept.span, m)
-                break
-    provided = {j: spans[it.span.name.removeprefix("handle ")] for j, it in enumerate(items) if _is_kept(it)}
-    read_tokens = _documents_read(items, found, spans, provided)
-    reads = [r if r.read != "kv" else (dataclasses.replace(r, tokens=spans[r.handle].num_tokens,
-                                                           read_tokens=read_tokens.get(r.handle, 0))
-                                       if r.handle in spans else dataclasses.replace(r, read="mismatch"))
-             for r in reads]
-    return dataclasses.replace(plan, items=tuple(items)), provided, reads
-
-
-def _place(items: list[PlanItem], needle: tuple[int, ...]) -> tuple[int, int] | None:
-    """The first (item, offset) where ``needle`` lies inside one item that is not already a kept answer."""
-    n = len(needle)
-    for i, it in enumerate(items):
-        if _is_kept(it):
-            continue
-        ids = it.span.token_ids
-        # the answer may not end the prompt: the last item is the query, whose logits start the answer
-        last = len(ids) - n - (i == len(items) - 1)
-        a = 0
-        while a <= last:
-            try:
-                a = ids.index(needle[0], a, last + 1)  # C speed: a prompt is scanned per named handle
-            except ValueError:
-                break
-            if tuple(ids[a:a + n]) == needle:
-                return i, a
-            a += 1
-    return None
-
-
-def _documents_read(items: list[PlanItem], found: dict[str, Kept], placed: dict[str, CompiledSpan],
-                    provided: dict[int, CompiledSpan]) -> dict[str, int]:
-    """Documents of the prompt that a placed answer's worker read, provided with the worker's KV for them
-    (whole documents, the same tokens); returns the tokens read so per handle."""
-    out: dict[str, int] = {}
-    for name in placed:
-        for doc in found[name].read:
-            j = next((j for j, it in enumerate(items) if j not in provided and it.reuse
-                      and it.span.kind == "document" and it.span.token_ids == doc.token_ids), None)
-            if j is not None:
-                provided[j] = doc
-                out[name] = out.get(name, 0) + doc.num_tokens
-    return out
-
-
-def _head(span: CompiledSpan, m: int) -> CompiledSpan:
-    """The first ``m`` tokens of a position-free span (still position-free: token i at position i)."""
-    if m == span.num_tokens:
-        return span
-    ids = span.token_ids[:m]
-    key = dataclasses.replace(span.key, tokens=token_digest(ids), num_tokens=m)
-    return CompiledSpan(key, ids, span.k[:, :, :m].contiguous(), span.v[:, :, :m].contiguous())
-
-
-def _is_kept(item: PlanItem) -> bool:
-    return item.reuse and item.span.kind == "tool_output" and (item.span.name or "").startswith("handle ")
-
-
-def _split(item: PlanItem, a: int, n: int, handle: str) -> list[PlanItem]:
-    """``item`` as what comes before the kept answer (computed in context), the answer (reused: its KV
-    is provided) and what comes after (computed in context)."""
-    ids = item.span.token_ids
-    out = []
-    if a:
-        out.append(PlanItem(Span(ids[:a], "tool_output"), reuse=False))
-    out.append(PlanItem(Span(ids[a:a + n], "tool_output", f"handle {handle}")))
-    if a + n < len(ids):
-        out.append(PlanItem(Span(ids[a + n:], "tool_output"), reuse=False))
-    return out

@@ -29,3 +29,16 @@ def test_example_runs(script, repo, config, smol_dir):
     assert proc.returncode == 0, proc.stderr
     answer, _, stats = proc.stdout.rpartition("\n[")
     assert answer.strip() and "prompt tokens" in stats, proc.stdout
+
+
+def test_the_agent_example_runs_over_http_to_serve(repo, config, smol_dir):
+    """``examples/agent.py --serve``: the same steps as chats to a contextkit serve it starts; the sub-agents
+    keep their KV and the synthesis says how it read each one's answer."""
+    env = dict(os.environ, CONTEXTKIT_CACHE_DIR=str(config.cache_dir))
+    proc = subprocess.run([sys.executable, str(repo / "examples" / "agent.py"), "--serve"], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("[http]"), proc.stdout
+    reads = next(line for line in proc.stdout.splitlines() if line.startswith("sub-agent answers read: "))
+    assert reads.count("'") >= 4, reads  # one read per sub-agent (kv, or why the text was used)
+    assert "prompt tokens in the last step" in proc.stdout

@@ -11,7 +11,7 @@ full: the notes' text prefilled, what frameworks do today), the default policy r
 each timed request so the idle span compiles of one request do not land in the next one's time.
 
 Fidelity: each arm's context is assembled again in process by serve's own steps (the planner, then
-``synthesis.handles.splice`` on the app's kept answers) and the whole answer teacher-forced against the
+``synthesis.splice.splice`` on the app's kept answers) and the whole answer teacher-forced against the
 text arm's (``spans.fidelity.score``, same engine and dtype). The keep's cost is the server's own
 ``contextkit_serve_keep_seconds``, per worker, against that worker's TTFT.
 """
@@ -133,7 +133,7 @@ class HTTPPath:
         """Each arm assembled again by serve's steps, its whole answer teacher-forced against the text arm's."""
         from contextkit.integrations.edge.parse import parse_chat
         from contextkit.sdk.http import body_of
-        from contextkit.synthesis.handles import splice
+        from contextkit.synthesis.splice import splice
 
         kit, params = self.kit, SamplingParams(max_new_tokens=self.answer_tokens)
         kvs, reports = {}, {}
@@ -143,7 +143,8 @@ class HTTPPath:
             body = json.loads(json.dumps(body_of(call, None, stream=False)))  # as the server reads it
             _, req = parse_chat(body, lambda _t: self.serve.tenancy.resolve(
                 self.serve.tenancy.authenticate(None), None), allow_reuse=True)
-            plan, provided, _ = splice(kit.plan(req), handles, self.serve.kept.store, req.tenant)
+            plan, provided, _ = splice(kit.plan(req), handles, self.serve.kept.store, req.tenant,
+                                       spans=kit.spans)
             asm = kit.spans.assemble(plan, extra_capacity=self.answer_tokens + 1, provided=provided)
             kvs[name], _ = answered(kit.engine, kit.tokenizer, plan.ids, asm.cache, asm.logits, params)
             reports[name] = asm.report

@@ -170,7 +170,7 @@ def parse_chat(body: dict, tenant: Callable[[str | None], Tenant], *, allow_reus
 
 def named_handles(chat: ChatBody) -> list[Any] | str:
     """The kept answers a chat names (``contextkit.handles``, then each document's ``handle``), as sent:
-    ``synthesis.handles.splice`` reads each one or says why not; ``"auto"`` as sent (the tenant's recent
+    ``synthesis.splice.splice`` reads each one or says why not; ``"auto"`` as sent (the tenant's recent
     ones, found by their text)."""
     opts = chat.contextkit or ContextkitOptions()
     if isinstance(opts.handles, str):

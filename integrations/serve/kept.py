@@ -13,7 +13,8 @@ from contextkit.core.errors import InputError
 from contextkit.core.generation import SamplingParams
 from contextkit.core.planner import ChatRequest
 from contextkit.kit import ContextKit, KitStream
-from contextkit.synthesis.handles import HandleRead, KeepLimits, KeptSpans, keep_answer, splice
+from contextkit.synthesis.handles import HandleRead, KeepLimits, KeptSpans, keep_answer
+from contextkit.synthesis.splice import splice
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Turn:
 
     rid: str
     keep: bool = False
-    handles: list[Any] | str = field(default_factory=list)  # or "auto" (synthesis.handles.AUTO)
+    handles: list[Any] | str = field(default_factory=list)  # or "auto" (synthesis.splice.AUTO)
     reads: list[HandleRead] = field(default_factory=list)
     kept: dict[str, Any] | None = None
 
@@ -69,7 +70,7 @@ class KeptAnswers:
         plan = kit.plan(req)
         provided = None
         if turn.handles:
-            plan, provided, turn.reads = splice(plan, turn.handles, self.store, req.tenant)
+            plan, provided, turn.reads = splice(plan, turn.handles, self.store, req.tenant, spans=kit.spans)
             for r in turn.reads:
                 self.reads.labels(r.read).inc()
         stream = kit.run(plan, params, compile_after=False, provided=provided)

@@ -14,7 +14,8 @@ from contextkit.core.types import Span
 from contextkit.kernels.rope import RopeSpec
 from contextkit.spans.key import ModelIdentity, span_key
 from contextkit.spans.store import CompiledSpan
-from contextkit.synthesis.handles import KeepLimits, KeptSpans, splice
+from contextkit.synthesis.handles import KeepLimits, KeptSpans
+from contextkit.synthesis.splice import splice
 
 IDENTITY = ModelIdentity("a" * 64, "tok", "float32", (RopeSpec(8, 10000.0),))
 

@@ -96,7 +96,7 @@ def test_a_miss_is_the_text_path_whatever_the_reason(served):
     cases = {
         "unknown": (_fresh("thief"), note, worker.id),  # another tenant's handle: the same as an unknown one
         "malformed": (_fresh("typo"), note, {"id": 3}),
-        "mismatch": (owner, note[: len(note) // 2] + " cheese " + note[len(note) // 2:], worker.id),  # edited
+        "mismatch": (owner, note.upper(), worker.id),  # rewritten: under half of its tokens are in the prompt
     }
     for read, (tenant, text, handle) in cases.items():
         r = _synth(client, tenant, text, handle)
@@ -106,6 +106,11 @@ def test_a_miss_is_the_text_path_whatever_the_reason(served):
             assert r.choices[0].model_extra["prompt_token_ids"] == plain.choices[0].model_extra["prompt_token_ids"]
             for k in ("reused_tokens", "recomputed_tokens", "prefilled_tokens", "cached_tokens"):
                 assert ext[k] == plain.model_extra["contextkit"][k], (read, k)
+    # an edit inside the answer: the runs on either side of it are still read from its KV (synthesis.splice)
+    half = note.index(" ", len(note) // 2)
+    edited = _synth(client, owner, note[:half] + " and cheese" + note[half:], worker.id)
+    (got,) = edited.model_extra["contextkit"]["handles"]
+    assert got["read"] == "kv" and kept["tokens"] // 2 <= got["tokens"] <= kept["tokens"], (got, note)
     # dropped by its owner: unknown from then on; another tenant cannot drop it
     url = f"{s.url}/v1/contextkit/kept/{worker.id}"
     assert httpx.delete(url, params={"tenant": _fresh("thief")}).json()["deleted"] is False
