@@ -10,9 +10,12 @@ from contextkit.core.errors import ConfigError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.planner import ChatRequest, Planner
 
-# band -> (min tokens, max tokens, padded with distractors)
-BANDS: dict[str, tuple[int, int, bool]] = {
-    "1.5k": (1000, 2100, False), "3k": (2700, 3300, True), "4k": (3600, 4400, True), "6k": (5400, 6600, True),
+# band -> (min tokens, max tokens, how a question's passages are fitted to it): "whole" (as they are),
+# "padded" (other questions' passages added), "trimmed" (the last passages left out: short prompts, where
+# a reuse has the least to save and its fixed costs weigh most)
+BANDS: dict[str, tuple[int, int, str]] = {
+    "0.25k": (150, 400, "trimmed"), "1.5k": (1000, 2100, "whole"), "3k": (2700, 3300, "padded"),
+    "4k": (3600, 4400, "padded"), "6k": (5400, 6600, "padded"),
 }
 
 
@@ -34,7 +37,7 @@ def choose_questions(planner: Planner, records: Sequence[QARecord], band: str, *
                      seed: int, lo: int | None = None, hi: int | None = None) -> list[tuple[QARecord, RequestPlan]]:
     """Up to ``count`` questions (in a seeded order) whose documents request renders to ``band``'s length
     (``lo``/``hi`` override its bounds), each with its plan (retrieval order, ``decode`` tokens to answer)."""
-    b_lo, b_hi, padded = BANDS[band]
+    b_lo, b_hi, fit = BANDS[band]
     lo, hi = b_lo if lo is None else lo, b_hi if hi is None else hi
 
     def plan_of(rec: QARecord, passages) -> RequestPlan:
@@ -42,13 +45,17 @@ def choose_questions(planner: Planner, records: Sequence[QARecord], band: str, *
 
     chosen = []
     for rec in sample(list(records), len(records), seed):
-        if padded:
+        if fit == "padded":
             passages = with_distractors(rec, records, lambda ps, rec=rec: plan_of(rec, ps).num_tokens, lo, hi, seed)
             if passages is None:
                 continue
             plan = plan_of(rec, passages)
         else:
             plan = plan_of(rec, rec.passages)
+            keep = len(rec.passages)
+            while fit == "trimmed" and plan.num_tokens > hi and keep > 1:
+                keep -= 1
+                plan = plan_of(rec, rec.passages[:keep])
             if not lo <= plan.num_tokens <= hi:
                 continue
         chosen.append((rec, plan))

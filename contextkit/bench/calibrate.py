@@ -14,6 +14,8 @@ later held to their ``spans.calibration.upper_bound`` at ``--set quantile=0.9``:
 smallest of n, so more prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and
 are refused. The profile records the machine its speedups were measured on; ``--set speeds_from=PROFILE``
 re-times an existing profile's settings on this one, keeping its fidelity (``bench.calibrate_speeds``).
+``--set add_to=PROFILE`` adds the bands measured to an existing profile of the same weights, dtype, settings
+and machine class (a band of the same name is replaced): a new band without measuring the others again.
 Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
 
 Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
@@ -166,18 +168,46 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         raise InputError(f"too few questions of the data render to the band(s) {', '.join(few)} to bound a "
                          f"{q} quantile (at least {least} each); give more data or choose other "
                          f"--set bands=")
+    shell = CalibrationProfile(
+        model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
+        data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=(),
+        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class())
+    base = _base(ctx.option("add_to", None), shell)
     tick(total=sum(len(c) for c in work.values()))
     fitted = tuple(_band(b, c, cache, tok, settings, answer_tokens, tick) for b, c in work.items())
-    profile = CalibrationProfile(
-        model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
-        data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=fitted,
-        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class())
+    profile = _merged(base, dataclasses.replace(shell, bands=fitted))
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
                                      "ratios": ratios, "probe_layers": probes, "quantile": q,
                                      "answer_tokens": answer_tokens, "profile": str(out)},
                        _rows(profile), _summary(profile, n))
+
+
+def _merged(base: CalibrationProfile | None, new: CalibrationProfile) -> CalibrationProfile:
+    """``new``'s bands added to ``base`` (one of the same name replaced), bands by length (``_base`` checked
+    that the two agree on everything but their bands and data)."""
+    if base is None:
+        return new
+    names = {b.name for b in new.bands}
+    bands = sorted((*(b for b in base.bands if b.name not in names), *new.bands), key=lambda b: b.context_tokens)
+    data = f"{base.data}; bands {', '.join(sorted(names))}: {new.data}"
+    return dataclasses.replace(base, bands=tuple(bands), data=data)
+
+
+def _base(path: str | None, want: CalibrationProfile) -> CalibrationProfile | None:
+    """The profile ``--set add_to`` names, before anything is measured: refused unless it was made for these
+    weights and dtype with the same settings on a machine of this class (else the merged profile would mix
+    numbers that do not compare)."""
+    if path is None:
+        return None
+    old = CalibrationProfile.load(path, model_digest=want.model_digest, dtype=want.dtype)
+    fields = ("quantile", "answer_tokens", "first_k", "probe_layers", "machine")
+    differ = [f"{f} {getattr(old, f)!r} vs {getattr(want, f)!r}" for f in fields if getattr(old, f) != getattr(want, f)]
+    if differ:
+        raise ConfigError(f"--set add_to={path}: that profile was measured otherwise ({'; '.join(differ)}); "
+                          "calibrate with its settings on a machine of its class, or write a new profile")
+    return old
 
 
 def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:

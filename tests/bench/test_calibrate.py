@@ -52,6 +52,19 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     for before, after in zip(profile.bands[0].points, retimed.bands[0].points):
         assert (after.ratio, after.answer_kl, after.shift) == (before.ratio, before.answer_kl, before.shift)
         assert after.speedup > 0
+    # a short band added to that profile, its 1.5k band kept as measured; a profile measured on another
+    # machine class (or with other settings) refuses it before anything is measured
+    merged_file = tmp_path / "merged.json"
+    short = ("--n", "1", "--dtype", "float32", "--set", "bands=0.25k", "--set", "ratios=0,0.3", "--set",
+             "answer_tokens=4", "--set", "split=all", "--set", "quantile=0.5")
+    proc = cli("calibrate", *short, "--set", f"add_to={retimed_file}", "--set", f"out={merged_file}", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    merged = CalibrationProfile.load(merged_file, model_digest=digest, dtype="float32")
+    assert [b.name for b in merged.bands] == ["0.25k", "1.5k"] and merged.bands[1] == retimed.bands[0]
+    assert 150 <= merged.bands[0].context_tokens <= 400 and "0.25k" in merged.data
+    assert merged.band_for(120).name == "0.25k" and merged.band_for(1400).name == "1.5k"
+    proc = cli("calibrate", *short, "--set", f"add_to={profile_file}", "--set", f"out={tmp_path / 'no.json'}")
+    assert proc.returncode == 2 and "elsewhere/avx2/64c" in proc.stderr and not (tmp_path / "no.json").exists()
     # another model's weights, or the same weights in another dtype: refused, never used
     with pytest.raises(CalibrationError, match="other weights"):
         CalibrationProfile.load(profile_file, model_digest=weights_digest(gemma_dir), dtype="float32")
