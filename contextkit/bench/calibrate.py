@@ -2,7 +2,7 @@
 and write the profile that resolves ``ReuseOptions(policy="budget")`` (``contextkit.spans.calibration``).
 
 On the tune half of ``--data`` (the shared dev file by default; ``--set split=`` to change), per band
-(``--set bands=1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's
+(``--set bands=0.25k,1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's
 passages compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its
 greedy answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
 (``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe
@@ -136,7 +136,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         from contextkit.bench.calibrate_speeds import retime
 
         return retime(ctx, tick, Path(source))
-    bands = parse_bands(ctx.option("bands", "1.5k,3k,4k"))
+    bands = parse_bands(ctx.option("bands", "0.25k,1.5k,3k,4k"))
     ratios = _ratios(ctx.option("ratios", None))
     probes = _probes(ctx.option("probe_layers", None))
     # ratio 0 runs no probe: measured once, under the first depth
