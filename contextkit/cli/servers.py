@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from contextkit.cli.common import CacheOpt, ModelOpt, _fail, _need_local, _status, app, err
-from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig
+from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig, remote_url_forms
 from contextkit.core.errors import ContextKitError
 
 
@@ -115,7 +115,7 @@ def connector(
     ] = "contextkit",
     disk_dir: Annotated[Optional[Path], typer.Option(help="contextkit: a disk tier (survives restarts).")] = None,
     remote_url: Annotated[
-        Optional[str], typer.Option(help="redis://host:port or lm://host:port, shared by servers.")
+        Optional[str], typer.Option(help=f"{remote_url_forms()}, shared by servers.")
     ] = None,
     cache_dir: CacheOpt = DEFAULT_CACHE_DIR,
     ratio: Annotated[float, typer.Option(help="cacheblend: share of reused tokens recomputed.")] = 0.15,
@@ -177,7 +177,7 @@ def serve_cmd(
         Optional[Path], typer.Option(help="LMCache disk tier for span KV (survives restarts).")
     ] = None,
     kv_remote_url: Annotated[
-        Optional[str], typer.Option(help="Shared LMCache remote tier: lm://host:port or redis://host:port.")
+        Optional[str], typer.Option(help=f"Shared LMCache remote tier: {remote_url_forms()}.")
     ] = None,
     kv_encrypt: Annotated[
         bool, typer.Option("--kv-encrypt",

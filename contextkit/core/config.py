@@ -15,19 +15,23 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 REMOTE_SCHEMES = {"lm": "lmcache_server", "redis": "Redis"}
 
 
-def check_remote_url(url: str, *, setting: str = "remote_url") -> str:
+def remote_url_forms() -> str:
+    """The remote tier URLs ``REMOTE_SCHEMES`` allows, as a message or a flag's help says them."""
+    return " or ".join(f"{scheme}://host:port ({what})" for scheme, what in REMOTE_SCHEMES.items())
+
+
+def check_remote_url(url: object, *, setting: str = "remote_url", alternative: str = "") -> str:
     """``url`` if it names a remote tier as ``scheme://host:port`` with a scheme of ``REMOTE_SCHEMES``; else a
-    ConfigError that lists them."""
+    ConfigError that lists them (and ``alternative``, e.g. ", or None for no shared store")."""
     import urllib.parse
 
     try:
-        parsed = urllib.parse.urlparse(url)
-        ok = parsed.scheme in REMOTE_SCHEMES and bool(parsed.hostname) and bool(parsed.port)
+        parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
+        ok = parsed is not None and parsed.scheme in REMOTE_SCHEMES and bool(parsed.hostname) and bool(parsed.port)
     except ValueError:  # a port that is not a number
         ok = False
     if not ok:
-        kinds = " or ".join(f"{scheme}://host:port ({what})" for scheme, what in REMOTE_SCHEMES.items())
-        raise ConfigError(f"{setting} must be {kinds}, got {url!r}")
+        raise ConfigError(f"{setting} must be {remote_url_forms()}{alternative}, got {url!r}")
     return url
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from contextkit.core.config import check_remote_url
 from contextkit.core.errors import ConfigError, InputError
 
 __all__ = [
@@ -125,16 +125,7 @@ class CacheBlendConfig:
         if not _is_int(self.cpu_bytes) or self.cpu_bytes <= 0:
             raise ConfigError(f"cpu_bytes must be an int > 0 (e.g. 5 << 30 for 5 GiB), got {self.cpu_bytes!r}")
         if self.remote_url is not None:
-            url = urllib.parse.urlparse(self.remote_url) if isinstance(self.remote_url, str) else None
-            try:
-                port = url.port if url else None
-            except ValueError:  # a port that is not a number
-                port = None
-            if url is None or url.scheme not in ("lm", "redis") or not url.hostname or not port:
-                raise ConfigError(
-                    f"remote_url must be lm://host:port (lmcache_server) or redis://host:port, or None for no "
-                    f"shared store; got {self.remote_url!r}"
-                )
+            check_remote_url(self.remote_url, alternative=", or None for no shared store")
         if self.use_layerwise is not True:
             raise ConfigError(
                 "use_layerwise must be True: LMCache 0.5.6 calls its blender only on the layerwise path "

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from contextkit.core.config import DEFAULT_CACHE_DIR, KVStoreConfig, check_remote_url
+from contextkit.core.config import DEFAULT_CACHE_DIR, KVStoreConfig, check_remote_url, remote_url_forms
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.vllm_connector.wire import KEY
 
@@ -107,7 +107,7 @@ class ConnectorSettings:
     def __post_init__(self) -> None:
         if self.disk_dir is None and not self.remote_url:
             raise ConfigError("the contextkit connector needs a store: set disk_dir (survives restarts) and/or "
-                              "remote_url (redis://host:port or lm://host:port, shared by servers)")
+                              f"remote_url ({remote_url_forms()}, shared by servers)")
         if self.remote_url:
             check_remote_url(self.remote_url)
         if self.timeout_s <= 0 or self.disk_bytes <= 0 or self.save_queue_bytes <= 0 or self.max_spans <= 0:
