@@ -82,6 +82,24 @@ class KitStream:
         return self.result
 
 
+def _planned(
+    request: Callable[Concatenate[ContextKit, P], ChatRequest], doc: str,
+) -> Callable[Concatenate[ContextKit, P], KitStream]:
+    """A method that takes ``request``'s arguments, plans the request and starts it (``run`` with its
+    ``params``): one signature for both, as ``_finished``."""
+    signature = inspect.signature(request)
+
+    def stream(self: ContextKit, *args: P.args, **kwargs: P.kwargs) -> KitStream:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return self.run(self.plan(request(self, *args, **kwargs)), bound.arguments["params"])
+
+    stream.__doc__ = doc
+    stream.__signature__ = signature.replace(return_annotation="KitStream")
+    stream.__qualname__ = "ContextKit.stream"
+    return stream
+
+
 def _finished(
     stream: Callable[Concatenate[ContextKit, P], KitStream], doc: str,
 ) -> Callable[Concatenate[ContextKit, P], Generation]:
@@ -215,25 +233,13 @@ class ContextKit:
         self.weaver.record(plan.served, plan.tenant)
         return KitStream(stream, plan, report, after)
 
-    def stream(
-        self,
-        question: str | Sequence[Message | dict],
-        documents: Sequence[Evidence | str] = (),
-        system: str | None = None,
-        params: SamplingParams = SamplingParams(),
-        reuse: ReuseOptions | None = None,
-        tenant: Tenant | str = "",
-        ordering: Ordering = "weaver",
-        skills: Sequence[Skill | str] = (),
-    ) -> KitStream:
-        """Iterate over the returned stream for text deltas; its ``result`` holds the Generation.
+    stream = _planned(request, """Iterate over the returned stream for text deltas; its ``result`` holds the
+        Generation (the arguments of ``request``).
 
         With ``reuse``, documents are spans: their KV is compiled once, kept in ``self.spans`` and
         re-positioned into later requests, recomputing what ``reuse`` says (see ReuseOptions).
         ``tenant`` is part of every span key and has its own ordering history: tenants share nothing.
-        """
-        req = self.request(question, documents, system, params, reuse, tenant, ordering, skills)
-        return self.run(self.plan(req), params)
+        """)
 
     generate = _finished(stream, """Answer ``question`` over ``documents`` (the arguments of ``stream``): full
         prefill, or span reuse per ``reuse``. The Generation's ``reuse`` field reports what was reused,

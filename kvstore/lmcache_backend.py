@@ -15,9 +15,11 @@ import os
 import shutil
 import tempfile
 import threading
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from contextkit.core.config import REMOTE_SCHEMES, check_remote_url
 from contextkit.kvstore.base import StoreKey
 from contextkit.kvstore.entry import StoreNames
 
@@ -42,11 +44,11 @@ def lmcache_config(cfg: LMCacheTierConfig):
     if cfg.kind == "disk":
         kw.update(local_disk=str(cfg.disk_dir), max_local_disk_size=cfg.max_bytes / gib)
     if cfg.kind == "remote":
-        url = cfg.remote_url or ""
-        if url.startswith("redis://"):
-            # below the blocking timeout (see kvstore.lmcache_tier's module docstring)
+        url = check_remote_url(cfg.remote_url)
+        params = REMOTE_SCHEMES[urllib.parse.urlparse(url).scheme].timeout_params
+        if params:  # below the blocking timeout (see kvstore.lmcache_tier's module docstring)
             sock = max(0.5, cfg.timeout_s / 2)
-            url += ("&" if "?" in url else "?") + f"socket_timeout={sock}&socket_connect_timeout={sock}"
+            url += ("&" if "?" in url else "?") + "&".join(f"{name}={sock}" for name in params)
         kw.update(remote_url=url)
     return LMCacheEngineConfig.from_defaults(**kw)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -20,6 +20,20 @@ CacheOpt = Annotated[
 ModelOpt = Annotated[
     str,
     typer.Option("--model", "-m", envvar="CONTEXTKIT_MODEL", help="Packaged model name or model directory."),
+]
+# the edge's options, the same on proxy and serve (None on serve: off; on the proxy: its config file decides)
+ApiKeysFileOpt = Annotated[
+    Optional[Path],
+    typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes from the key."),
+]
+ClientTenantOpt = Annotated[
+    Optional[bool],
+    typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant)."),
+]
+RateLimitOpt = Annotated[
+    Optional[str],
+    typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before the body "
+                      "is read. 0: no limit. Default: 10/20 on serve; none on the proxy, as vLLM."),
 ]
 
 

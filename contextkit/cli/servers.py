@@ -8,7 +8,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from contextkit.cli.common import CacheOpt, ModelOpt, _fail, _need_local, _status, app, err
+from contextkit.cli.common import (
+    ApiKeysFileOpt,
+    CacheOpt,
+    ClientTenantOpt,
+    ModelOpt,
+    RateLimitOpt,
+    _fail,
+    _need_local,
+    _status,
+    app,
+    err,
+)
 from contextkit.core.config import DEFAULT_CACHE_DIR, ContextKitConfig, remote_url_forms
 from contextkit.core.errors import ContextKitError
 
@@ -26,22 +37,13 @@ def proxy(
     config: Annotated[
         Optional[Path], typer.Option(help="JSON file of settings (flags and CONTEXTKIT_PROXY_* env win).")
     ] = None,
-    api_keys_file: Annotated[
-        Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: clients authenticate, the tenant comes "
-                                          "from the key.")
-    ] = None,
-    allow_client_tenant: Annotated[
-        Optional[bool], typer.Option("--allow-client-tenant",
-                                     help="Let a key choose sub-tenants of its own (contextkit.tenant).")
-    ] = None,
+    api_keys_file: ApiKeysFileOpt = None,
+    allow_client_tenant: ClientTenantOpt = None,
     upstream_api_key: Annotated[
         Optional[str], typer.Option(envvar="CONTEXTKIT_UPSTREAM_API_KEY",
                                     help="Key sent to the vLLM servers (started with --api-key).")
     ] = None,
-    rate_limit: Annotated[
-        Optional[str], typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 50/100; default: "
-                                         "none, as vLLM); 429 past it, before the body is read. 0: no limit.")
-    ] = None,
+    rate_limit: RateLimitOpt = None,
     kv_connector: Annotated[
         Optional[str], typer.Option(help="The KV connector the upstreams run, which documents requests may opt in to: "
                                          "contextkit (span reuse with recompute inside vLLM, contextkit.reuse = {} "
@@ -187,16 +189,9 @@ def serve_cmd(
         Optional[str], typer.Option(envvar="CONTEXTKIT_API_KEY",
                                     help="One API key (tenant \"default\"); clients send Authorization: Bearer KEY.")
     ] = None,
-    api_keys_file: Annotated[
-        Optional[Path], typer.Option(help="JSON {\"<key>\": \"<tenant>\"}: the tenant comes from the key.")
-    ] = None,
-    allow_client_tenant: Annotated[
-        bool, typer.Option("--allow-client-tenant", help="Let a key choose sub-tenants of its own (contextkit.tenant).")
-    ] = False,
-    rate_limit: Annotated[
-        str, typer.Option(help="Requests per second per tenant, RATE or RATE/BURST (e.g. 10/20); 429 past it, before "
-                               "the body is read. 0: no limit.")
-    ] = "10/20",
+    api_keys_file: ApiKeysFileOpt = None,
+    allow_client_tenant: ClientTenantOpt = None,
+    rate_limit: RateLimitOpt = "10/20",
     metrics_key: Annotated[
         Optional[str], typer.Option(envvar="CONTEXTKIT_METRICS_KEY",
                                     help="Key (16+ characters) that /metrics takes as Bearer; required for /metrics "
@@ -225,7 +220,7 @@ def serve_cmd(
                                   kvstore=KVStoreConfig(disk_dir=kv_disk_dir, remote_url=kv_remote_url,
                                                         encrypt=kv_encrypt))
         keys = load_api_keys(api_keys_file, {api_key: "default"} if api_key else None)
-        tenancy = Tenancy(keys, config.load_secret(), allow_client_tenant)
+        tenancy = Tenancy(keys, config.load_secret(), bool(allow_client_tenant))
         limits = ServeLimits(rate=RateLimit.parse(rate_limit), compile_idle=compile_idle)
         err.print(check_bind(tenancy, host))
         kit, engine_threads = _load_kit(config)

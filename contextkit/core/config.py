@@ -9,15 +9,34 @@ from contextkit.core.errors import ConfigError
 
 DEFAULT_CACHE_DIR = Path("~/.cache/contextkit")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The shared (remote) KV tiers, by URL scheme: each is one of LMCache's remote connectors (kvstore/lmcache_tier.py).
-# The one list every setting that takes a remote URL checks against (serve's KVStoreConfig, the vLLM
-# connector's settings, the LMCache tier itself).
-REMOTE_SCHEMES = {"lm": "lmcache_server", "redis": "Redis"}
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteScheme:
+    """A shared (remote) KV tier: one of LMCache's remote connectors (``kvstore/lmcache_tier.py``), by URL scheme.
+
+    Attributes:
+        serves: what serves it, as messages and flag help name it.
+        timeout_params: the URL query parameters that bound its socket calls; the LMCache tier sets them below
+            LMCache's blocking timeout (``kvstore/lmcache_backend.py``), so a dead server is a miss, not a hang.
+    """
+
+    serves: str
+    timeout_params: tuple[str, ...] = ()
+
+
+# The one list of remote tiers: every setting that takes a remote URL checks against it (serve's
+# KVStoreConfig, the vLLM connector's settings, CacheBlend's, the LMCache tier itself) and the LMCache tier
+# builds its URL from the row. Another of LMCache's remote connectors is one row here (and its tests).
+REMOTE_SCHEMES = {
+    "lm": RemoteScheme("lmcache_server"),
+    "redis": RemoteScheme("Redis", timeout_params=("socket_timeout", "socket_connect_timeout")),
+}
 
 
 def remote_url_forms() -> str:
     """The remote tier URLs ``REMOTE_SCHEMES`` allows, as a message or a flag's help says them."""
-    return " or ".join(f"{scheme}://host:port ({what})" for scheme, what in REMOTE_SCHEMES.items())
+    return " or ".join(f"{name}://host:port ({scheme.serves})" for name, scheme in REMOTE_SCHEMES.items())
 
 
 def check_remote_url(url: object, *, setting: str = "remote_url", alternative: str = "") -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -188,10 +188,7 @@ class HTTPTransport:
             with self._http.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
                     raise error_of(resp.status_code, resp.read(), self.url, resp.headers)
-                for line in resp.iter_lines():
-                    delta = state.feed(line, self.url)
-                    if delta:
-                        yield delta
+                yield from state.deltas(resp.iter_lines(), self.url)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from exc
         yield state.answer()
@@ -223,9 +220,8 @@ class HTTPTransport:
                 async with client.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                     if resp.status_code != 200:
                         raise error_of(resp.status_code, await resp.aread(), self.url, resp.headers)
-                    async for line in resp.aiter_lines():
-                        delta = state.feed(line, self.url)
-                        if delta:
+                    async for line in resp.aiter_lines():  # state.deltas' loop: async has no yield from
+                        if delta := state.feed(line, self.url):
                             yield delta
             except httpx.HTTPError as exc:
                 raise self._unreachable(exc) from exc
@@ -299,6 +295,12 @@ class _StreamState:
                 self.first_ms = (time.perf_counter() - self.t0) * 1e3
             self.parts.append(text)
         return text
+
+    def deltas(self, lines: Iterable[str], url: str) -> Iterator[str]:
+        """The text deltas of ``lines`` (a response's), fed in order."""
+        for line in lines:
+            if delta := self.feed(line, url):
+                yield delta
 
     def answer(self) -> Answer:
         total = (time.perf_counter() - self.t0) * 1e3

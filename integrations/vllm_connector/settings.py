@@ -134,9 +134,12 @@ class ConnectorSettings:
 
     def store(self) -> KVStoreConfig:
         """The tiers this server keeps KV in, as every process that keeps KV describes them (``build_store``
-        builds them); no memory tier: vLLM's prefix cache is this server's."""
-        return KVStoreConfig(disk_dir=self.disk_dir, disk_bytes=self.disk_bytes, remote_url=self.remote_url,
-                             remote_timeout_s=self.timeout_s, encrypt=self.encrypt)
+        builds them): every ``KVStoreConfig`` setting this one has by name is passed on (a tier's setting added
+        to both reaches vLLM with no change here); ``timeout_s`` bounds the remote calls; no memory tier: vLLM's
+        prefix cache is this server's."""
+        shared = {name: getattr(self, name) for name in KVStoreConfig.__dataclass_fields__
+                  if name in self.__dataclass_fields__}
+        return KVStoreConfig(**shared, remote_timeout_s=self.timeout_s)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

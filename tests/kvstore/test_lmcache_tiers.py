@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from contextkit.core.config import REMOTE_SCHEMES
 from contextkit.core.errors import ConfigError
 from contextkit.integrations.launchers.services import lmcache_server, redis_server
 from contextkit.integrations.launchers.vllm_server import free_port
@@ -66,8 +67,12 @@ def test_config_maps_onto_lmcache_keys(tmp_path, mac):
     disk = lmcache_config(LMCacheTierConfig("disk", max_bytes=3 << 30, disk_dir=tmp_path, mac_key=mac))
     assert disk.local_disk == str(tmp_path) and disk.max_local_disk_size == 3.0 and not disk.local_cpu
     remote = lmcache_config(LMCacheTierConfig("remote", remote_url="redis://127.0.0.1:1", timeout_s=4, mac_key=mac))
-    assert remote.remote_url.startswith("redis://127.0.0.1:1?socket_timeout=2.0")
+    assert remote.remote_url == "redis://127.0.0.1:1?socket_timeout=2.0&socket_connect_timeout=2.0"
     assert remote.blocking_timeout_secs == 4 and remote.remote_serde == "naive"
+    for name, scheme in REMOTE_SCHEMES.items():  # each row's URL: its timeout parameters, after the caller's
+        url = lmcache_config(LMCacheTierConfig("remote", remote_url=f"{name}://h:1?db=2", timeout_s=3,
+                                               mac_key=mac)).remote_url
+        assert url == f"{name}://h:1?db=2" + "".join(f"&{param}=1.5" for param in scheme.timeout_params)
     for bad in (dict(kind="nope"), dict(kind="disk"), dict(kind="remote", remote_url="http://x:1"),
                 dict(kind="remote", remote_url="redis://nohostport"), dict(kind="cpu", mac_key=b""),
                 dict(kind="cpu", mac_key=b"short")):

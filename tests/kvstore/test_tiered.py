@@ -113,3 +113,16 @@ def test_every_setting_that_takes_a_remote_tier_checks_the_one_list(url, tmp_pat
     assert len(set(messages)) == 1 and repr(url) in messages[0]
     for scheme in REMOTE_SCHEMES:
         assert ConnectorSettings(remote_url=f"{scheme}://127.0.0.1:1").store().remote_url == f"{scheme}://127.0.0.1:1"
+
+
+def test_the_connector_describes_its_tiers_as_serve_does(tmp_path):
+    # vLLM's connector builds its tiers from a KVStoreConfig too: every tier setting it has reaches it, by name
+    from contextkit.integrations.vllm_connector import ConnectorSettings
+
+    settings = ConnectorSettings(disk_dir=tmp_path, disk_bytes=3 << 30, remote_url="redis://127.0.0.1:1",
+                                 timeout_s=0.7, encrypt=True)
+    store = settings.store()
+    assert (store.disk_dir, store.disk_bytes, store.remote_url, store.remote_timeout_s, store.encrypt) == (
+        tmp_path, 3 << 30, "redis://127.0.0.1:1", 0.7, True)
+    shared = set(KVStoreConfig.__dataclass_fields__) & set(ConnectorSettings.__dataclass_fields__)
+    assert shared == {"disk_dir", "disk_bytes", "remote_url", "encrypt"}  # memory_bytes: vLLM's prefix cache
