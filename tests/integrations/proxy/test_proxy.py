@@ -349,28 +349,19 @@ def test_the_tenant_comes_from_the_api_key(recorder, config, app_thread):
         assert other["cached_tokens"] == 0 and not other["expected_cached_tokens"]  # ...nor of its cache
 
 
-@pytest.fixture(scope="module")
-def keyed_vllm(smol_dir):
-    """A second real vLLM server, started with --api-key."""
-    from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig
-
-    with VLLMServer(VLLMServerConfig(model_dir=smol_dir, extra_args=("--api-key", "upstream-key-1"),
-                                     max_model_len=2048, kv_cache_gib=1)) as server:
-        yield server.url
-
-
-def test_the_upstream_key_is_sent_on_every_call(keyed_vllm, config, app_thread):
+def test_the_upstream_key_is_sent_on_every_call(second_vllm, config, app_thread):
     question, docs = _docs()
     chat = {"model": "smol", "messages": [{"role": "user", "content": question}], "max_tokens": 2,
             "temperature": 0, "documents": docs}
-    settings = ProxySettings(upstreams=[keyed_vllm], cache_dir=config.cache_dir, upstream_api_key="upstream-key-1")
+    keyed = second_vllm.url  # started with --api-key
+    settings = ProxySettings(upstreams=[keyed], cache_dir=config.cache_dir, upstream_api_key=second_vllm.key)
     with app_thread(create_app(settings)) as p:
         assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
         assert httpx.get(p.url + "/v1/models", timeout=30).status_code == 200  # pass-through too
         long = {**chat, "documents": [{"text": "word " * 3000}]}
         r = httpx.post(p.url + "/v1/chat/completions", json=long, timeout=120)
-        assert r.status_code == 413 and "2048" in r.json()["error"]["message"]  # its context length was read
-    without = ProxySettings(upstreams=[keyed_vllm], cache_dir=config.cache_dir)
+        assert r.status_code == 413 and str(second_vllm.max_model_len) in r.json()["error"]["message"]  # read
+    without = ProxySettings(upstreams=[keyed], cache_dir=config.cache_dir)
     with app_thread(create_app(without)) as p:
         assert httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 401
 
