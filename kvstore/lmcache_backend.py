@@ -19,7 +19,7 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contextkit.core.config import REMOTE_SCHEMES, check_remote_url
+from contextkit.core.config import REMOTE_SCHEMES
 from contextkit.kvstore.base import StoreKey
 from contextkit.kvstore.entry import StoreNames
 
@@ -44,7 +44,7 @@ def lmcache_config(cfg: LMCacheTierConfig):
     if cfg.kind == "disk":
         kw.update(local_disk=str(cfg.disk_dir), max_local_disk_size=cfg.max_bytes / gib)
     if cfg.kind == "remote":
-        url = check_remote_url(cfg.remote_url)
+        url = cfg.remote_url  # checked against REMOTE_SCHEMES when the config was made
         params = REMOTE_SCHEMES[urllib.parse.urlparse(url).scheme].timeout_params
         if params:  # below the blocking timeout (see kvstore.lmcache_tier's module docstring)
             sock = max(0.5, cfg.timeout_s / 2)

@@ -119,11 +119,14 @@ class LMCacheTier(RemoteHealth):
         except ImportError as exc:
             raise ConfigError("the LMCache tiers need lmcache: pip install 'contextkit[lmcache]'") from exc
         self.cfg = cfg
-        self.name = name or (cfg.kind if cfg.kind != "remote" else urllib.parse.urlparse(cfg.remote_url).scheme)
+        # the remote tier's URL scheme (a key of core.config.REMOTE_SCHEMES); LMCache's Redis connector has
+        # batched lookups, deletes and a broken close that the other schemes do not
+        self.scheme = urllib.parse.urlparse(cfg.remote_url).scheme if cfg.kind == "remote" else None
+        self.name = name or (self.scheme or cfg.kind)
         self.backend = BACKEND[cfg.kind]
         self._stats = TierStats(self.name)
         self._torch = torch
-        if cfg.kind == "remote" and (cfg.remote_url or "").startswith("redis://"):
+        if self.scheme == "redis":
             patch_redis_close()
         if cfg.kind == "disk":
             Path(cfg.disk_dir).mkdir(parents=True, exist_ok=True)
@@ -208,7 +211,7 @@ class LMCacheTier(RemoteHealth):
         if deadline.expired or not self._available():
             return [False] * len(keys)
         cks = [self._key(k) for k in keys]
-        if (self.cfg.remote_url or "").startswith("redis://"):
+        if self.scheme == "redis":
             fn = lambda: self._redis_exists(cks)
         else:
             fn = lambda: [self._sm.contains(ck, [self.backend]) is not None for ck in cks]
@@ -370,7 +373,7 @@ class LMCacheTier(RemoteHealth):
                     path.unlink(missing_ok=True)
                     removed = True
             return removed
-        if (self.cfg.remote_url or "").startswith("redis://"):
+        if self.scheme == "redis":
             return self._redis_delete(ck)
         return False  # lmcache_server has no delete; a bad entry there is skipped on every read
 
