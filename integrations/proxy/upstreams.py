@@ -86,9 +86,11 @@ class UpstreamPool:
         await asyncio.gather(*(one(u) for u in self.upstreams))
 
     async def watch(self, client: aiohttp.ClientSession, interval_s: float) -> None:
+        """Check every ``interval_s`` seconds, the first after one interval: the caller checked at start
+        (a second check right away would race whatever the start's check told it)."""
         while True:
-            await self.check(client)
             await asyncio.sleep(interval_s)
+            await self.check(client)
 
     def mark_failed(self, u: Upstream, threshold: int = 3) -> None:
         """A request to ``u`` failed. ``threshold`` failures in a row take it out of rotation until its
