@@ -25,6 +25,9 @@ same Redis). Rows, in the order they run:
   restart minus this, the median) is what loading from the store adds, on any machine; ``restart_speedup``
   can be no higher than ``local_hit_speedup``, which a fast prefill (AMX) lowers.
 - ``connector, second server``: the same requests on B, which never saw them: blocks load from Redis.
+  (``--set store_rows=0`` leaves this row and the restart's out, and B is not started: A alone, never
+  restarted. CI's small run does, since ``tests/integrations/vllm_connector/`` runs both paths; their
+  summary keys are then null.)
 - ``span compile (first pass)``: the requests, their documents in reverse order (so that no span's KV is
   saved out of the exact prompt a later row measures), opting in to span reuse as the proxy sends them
   (``integrations/proxy/span_compiler.py``): the connector saves each span the store lacked out of the
@@ -133,11 +136,13 @@ def _connector_rows(m: _Rows, srv: Servers, *, cfg, model_dir, block: int, redis
     m.tick("waiting for A's saves")
     saved_share = wait_saved(cfg, model_dir, block, redis_url, salt, srv.a.config.resolved_dtype,
                               prompts=m.prompts)
-    m.tick("restarting A")
-    srv.restart_a()
-    m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
+    if srv.b is not None:
+        m.tick("restarting A")
+        srv.restart_a()
+        m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
     m.measure("local prefix hit (floor)", srv.a.url, lambda i, p: _body(p, salt))
-    m.measure("connector, second server", srv.b.url, lambda i, p: _body(p, salt))
+    if srv.b is not None:
+        m.measure("connector, second server", srv.b.url, lambda i, p: _body(p, salt))
     return saved_share
 
 
@@ -218,7 +223,7 @@ def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
     cold_p50 = median([m for m, *_ in cold])
     prefix_p50 = median([m for m, *_ in per["prefix caching"]])
     out_rows = []
-    for row in ROWS:
+    for row in (r for r in ROWS if per[r]):  # a row left out (--set store_rows=0) measured nothing
         xs = per[row]
         ms = [m for m, *_ in xs]
         agree = [x[1] == c[1] for x, c in zip(xs, cold)]
@@ -244,12 +249,13 @@ def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
 
 
 def _summary(rows: dict[str, dict], saved_share: float, tokens: list[int]) -> dict:
+    restart, shared = rows.get("connector after restart", {}), rows.get("connector, second server", {})
     return {
-        "restart_speedup": rows["connector after restart"]["speedup_vs_cold"],
-        "restart_top1_agreement": rows["connector after restart"]["top1_agreement"],
+        "restart_speedup": restart.get("speedup_vs_cold"),
+        "restart_top1_agreement": restart.get("top1_agreement"),
         "local_hit_speedup": rows["local prefix hit (floor)"]["speedup_vs_cold"],
-        "shared_tier_speedup": rows["connector, second server"]["speedup_vs_cold"],
-        "shared_top1_agreement": rows["connector, second server"]["top1_agreement"],
+        "shared_tier_speedup": shared.get("speedup_vs_cold"),
+        "shared_top1_agreement": shared.get("top1_agreement"),
         "pic_speedup_vs_prefix": rows["span reuse (pic)"]["speedup_vs_prefix"],
         "pic_top1_agreement": rows["span reuse (pic)"]["top1_agreement"],
         "pic_logprob_delta_p50": rows["span reuse (pic)"]["logprob_delta_p50"],
@@ -328,12 +334,13 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     tenancy = Tenancy(secret=cfg.load_secret())
     salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
     prompts = _plan_all(requests, model_dir, block)
-    tick(total=len(prompts) * (len(ROWS) + 2 + len(TF_ROWS)) + 4)
+    second = ctx.option("store_rows", 1, int) != 0
+    tick(total=len(prompts) * (len(ROWS) - (0 if second else 2) + 2 + len(TF_ROWS)) + 4)
 
     saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
     saving = {k: v for k, v in saving.items() if v is not None}
     m, srv = (_Rows(prompts, salt, tick, _plan_all(requests, model_dir, block, reverse=True)),
-              Servers(model_dir, block, logs, saving=saving))
+              Servers(model_dir, block, logs, saving=saving, second=second))
     redis_url = ctx.option("redis", "")
     work = cfg.cache_dir / "bench-connector" / run_id  # the connector's disk tier: removed with the run
     try:
@@ -353,12 +360,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     out_rows = _row_stats(m.per, tokens)
     summary = _summary({r["row"]: r for r in out_rows}, saved_share, tokens)
     summary.update(_saving_vs_prefix(m.per))
-    summary["restart_load_ms_p50"] = round(median([r[0] - f[0]
-                                                   for r, f in zip(m.per["connector after restart"],
-                                                                   m.per["local prefix hit (floor)"])]), 1)
+    loads = [r[0] - f[0] for r, f in zip(m.per["connector after restart"], m.per["local prefix hit (floor)"])]
+    summary["restart_load_ms_p50"] = round(median(loads), 1) if loads else None
     summary["span_saved_share"] = span_share
     summary.update(_recompute_summary(m, {r["row"]: r for r in out_rows}, before, after, model_dir,
                                       srv.a.config.resolved_dtype))
     config = {"model": cfg.model, "requests": len(prompts), "k": k, "block_size": block, "redis": bool(redis_url),
+              "store_rows": srv.second,
               "data": str(ctx.data) if ctx.data else "default", **saving}
     return BenchResult("connector", config, out_rows, summary)

@@ -56,6 +56,7 @@ class Servers:
     a_port: int = 0
     services: list = field(default_factory=list)
     saving: dict = field(default_factory=dict)  # ConnectorSettings' save_* fields the run sets (--set)
+    second: bool = True  # B and A's restart (--set store_rows=0: A alone)
 
     def server(self, name: str, settings, port: int = 0):
         from contextkit.integrations.launchers.vllm_server import (
@@ -69,7 +70,7 @@ class Servers:
                                            log_file=self.logs / f"bench-connector-{name}.log"))
 
     def start(self, cfg, work: Path, redis_url: str, tick: Tick) -> str:
-        """Start Redis (unless given), then A and B together; the Redis URL."""
+        """Start Redis (unless given), then A and B (unless not ``second``) together; the Redis URL."""
         from contextkit.integrations.launchers.process import free_port
         from contextkit.integrations.launchers.services import redis_server
         from contextkit.integrations.vllm_connector import ConnectorSettings
@@ -81,12 +82,15 @@ class Servers:
                                             **self.saving)
         b_set = ConnectorSettings(remote_url=redis_url, cache_dir=cfg.cache_dir, **self.saving)
         self.a_port = free_port()
-        tick("starting vLLM A and B")
-        self.a, self.b = self.server("a", self.a_settings, self.a_port), self.server("b", b_set)
-        self.a.launch()
-        self.b.launch()
-        self.a.wait()
-        self.b.wait()
+        tick("starting vLLM A and B" if self.second else "starting vLLM A")
+        self.a = self.server("a", self.a_settings, self.a_port)
+        self.b = self.server("b", b_set) if self.second else None
+        for s in (self.a, self.b):
+            if s is not None:
+                s.launch()
+        for s in (self.a, self.b):
+            if s is not None:
+                s.wait()
         return redis_url
 
     def restart_a(self) -> None:
