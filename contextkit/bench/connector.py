@@ -72,6 +72,7 @@ from contextkit.integrations.vllm_connector.wire import RequestOptions
 ROWS = ("full prefill (cold)", "prefix caching", "prefix caching, connector saving", "connector after restart",
         "local prefix hit (floor)", "connector, second server", "span compile (first pass)", "span reuse (pic)",
         "span reuse, recompute last span", *recompute.ROWS)
+STORE_ROWS = ("connector after restart", "connector, second server")  # left out at --set store_rows=0
 TF_ROWS = ("full prefill (cold)", "prefix caching", "span reuse (pic)", *recompute.ROWS)  # teacher-forced
 SECOND_PLAIN, SECOND_SAVING = "prefix caching (2nd pair)", "prefix caching, connector saving (2nd pair)"
 OFF = RequestOptions(mode="off").encode()  # a measured full prefill: the connector neither loads nor saves
@@ -136,12 +137,12 @@ def _connector_rows(m: _Rows, srv: Servers, *, cfg, model_dir, block: int, redis
     m.tick("waiting for A's saves")
     saved_share = wait_saved(cfg, model_dir, block, redis_url, salt, srv.a.config.resolved_dtype,
                               prompts=m.prompts)
-    if srv.b is not None:
+    if srv.second:
         m.tick("restarting A")
         srv.restart_a()
         m.measure("connector after restart", srv.a.url, lambda i, p: _body(p, salt))
     m.measure("local prefix hit (floor)", srv.a.url, lambda i, p: _body(p, salt))
-    if srv.b is not None:
+    if srv.second:
         m.measure("connector, second server", srv.b.url, lambda i, p: _body(p, salt))
     return saved_share
 
@@ -249,7 +250,7 @@ def _row_stats(per: dict, tokens: list[int]) -> list[dict]:
 
 
 def _summary(rows: dict[str, dict], saved_share: float, tokens: list[int]) -> dict:
-    restart, shared = rows.get("connector after restart", {}), rows.get("connector, second server", {})
+    restart, shared = (rows.get(r, {}) for r in STORE_ROWS)
     return {
         "restart_speedup": restart.get("speedup_vs_cold"),
         "restart_top1_agreement": restart.get("top1_agreement"),
@@ -335,7 +336,7 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     salt = tenancy.cache_salt(tenancy.resolve(tenancy.authenticate(None), None)) + f"-bench-{run_id}"
     prompts = _plan_all(requests, model_dir, block)
     second = ctx.option("store_rows", 1, int) != 0
-    tick(total=len(prompts) * (len(ROWS) - (0 if second else 2) + 2 + len(TF_ROWS)) + 4)
+    tick(total=len(prompts) * (len(ROWS) - (0 if second else len(STORE_ROWS)) + 2 + len(TF_ROWS)) + 4)
 
     saving = {name: ctx.option(name, None, float) for name in ("save_busy_share", "save_quiet_s")}
     saving = {k: v for k, v in saving.items() if v is not None}

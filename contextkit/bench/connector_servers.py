@@ -85,12 +85,11 @@ class Servers:
         tick("starting vLLM A and B" if self.second else "starting vLLM A")
         self.a = self.server("a", self.a_settings, self.a_port)
         self.b = self.server("b", b_set) if self.second else None
-        for s in (self.a, self.b):
-            if s is not None:
-                s.launch()
-        for s in (self.a, self.b):
-            if s is not None:
-                s.wait()
+        started = [s for s in (self.a, self.b) if s is not None]
+        for s in started:
+            s.launch()
+        for s in started:
+            s.wait()
         return redis_url
 
     def restart_a(self) -> None:
