@@ -28,7 +28,7 @@ from contextkit.core.engine import KVEngine
 from contextkit.core.errors import ConfigError, PromptTooLongError
 from contextkit.core.kvcache import PAD_SEGMENT, KVCache
 from contextkit.core.plan import RequestPlan, ReuseReport
-from contextkit.core.policy import Budgets, Resolved
+from contextkit.core.policy import SPECS, Budgets, Resolved
 from contextkit.core.tenant import Tenant
 from contextkit.core.tenant_lru import TenantLRU
 from contextkit.core.types import Span
@@ -308,6 +308,7 @@ class SpanCache:
             policy=a.plan.options.policy,
             ratio=a.plan.options.ratio,
             probe_layers=a.plan.options.probe_layers if a.plan.options.policy == "query_attention" else None,
+            first_k=a.plan.options.first_k if SPECS[a.plan.options.policy].recomputes else None,
             context_tokens=context_tokens,
             reused_tokens=reused_total - recompute.numel(),
             rerotated_tokens=a.rerotated,

@@ -1,13 +1,13 @@
 """A model's calibration profile: what each recompute setting did to answers, per prompt-length band.
 
 ``contextkit calibrate`` (``contextkit.bench.calibrate``) runs the tune half of a QA file through the
-span cache at several query_attention ratios, each with one or more probe depths, and, per prompt,
-measures the answer KL over the whole teacher-forced answer against full prefill in the same dtype
-(``contextkit.spans.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
+span cache at several settings in series: query_attention ratios at one or more probe depths, and first_k
+alone (EPIC's LegoLink: the first k tokens of each reused span recomputed, no probe) at several k. Per
+prompt it measures the answer KL over the whole teacher-forced answer against full prefill in the same
+dtype (``contextkit.spans.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
 weights digest and dtype, and answers one question at request time (``choose``): for a prompt of this
 many context tokens and a budget of b nats per answer token, which is the fastest setting whose answer
-KL stays within b on the profile's quantile of the
-calibration prompts of the nearest length band?
+KL stays within b on the profile's quantile of the calibration prompts of the nearest length band?
 
 The fit is conservative, not a curve, in three ways:
 - a setting's answer KL is bounded, not estimated: of its n calibration prompts, the ceil((n+1)q)-th
@@ -15,10 +15,10 @@ The fit is conservative, not a curve, in three ways:
   stays at or below it with probability at least q). The plain q-quantile of 16 prompts held on 50-81% of
   held-out prompts instead of 90% (docs/benchmarks.md, "Fidelity budget and calibration"); with too few
   prompts (n < q / (1 - q), 9 at q = 0.9) nothing can be bounded and the band runs full prefill;
-- within one probe depth settings are ordered by cost (the recompute ratio), and a setting qualifies
-  only if it and every costlier setting of that depth meet the budget, so one lucky point below a bad
-  one is never chosen;
-- of the qualifying settings, of every depth, the one measured fastest (``Point.speedup``, median TTFT
+- within one series (a probe depth's ratios; first_k's k) settings are ordered by cost, and a setting
+  qualifies only if it and every costlier setting of its series meet the budget, so one lucky point
+  below a bad one is never chosen;
+- of the qualifying settings, of every series, the one measured fastest (``Point.speedup``, median TTFT
   against full prefill on the same prompts; within 5% counts as a tie, won by the smaller bound) is
   chosen: a deeper probe costs more per request but may reach the budget at a lower ratio, and only
   the measurement says which is faster; a setting measured
@@ -102,13 +102,16 @@ class Point:
     # per prompt: how far this setting's recompute moved the keys it recomputed (``ReuseReport.
     # recompute_shift``), the tail gate's signal; empty where the profile predates it
     shift: tuple[float, ...] = ()
+    # None: query_attention at ``ratio`` with the profile's sinks; k: policy "first_k" (EPIC's LegoLink):
+    # the first k tokens of each reused span recomputed in context and nothing else (ratio 0, no probe)
+    first_k: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Band:
     name: str
     context_tokens: int  # median context tokens of its calibration prompts
-    points: tuple[Point, ...]  # per probe depth, sorted by ratio (cost)
+    points: tuple[Point, ...]  # per series (``CalibrationProfile.series``), sorted by cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,15 +172,20 @@ class CalibrationProfile:
         """The probe depth ``point`` was measured with (0: all layers)."""
         return self.probe_layers if point.probe_layers is None else point.probe_layers
 
+    def series(self, point: Point) -> tuple[str, int]:
+        """The series ``point`` belongs to, whose points differ in one cost knob: query_attention at one
+        probe depth (the ratio varies), or first_k alone (k varies; 0 stands for its depth: no probe runs)."""
+        return ("first_k", 0) if point.first_k is not None else ("query_attention", self.depth(point))
+
     def qualifying(self, budget: float, band: Band) -> list[Qualified]:
         """The settings of ``band`` that hold ``budget``: a point whose answer KL bound (``upper_bound`` at
-        ``quantile``) is within it, it and every costlier point of its probe depth, runs ungated; a point
-        that does not, but measured its recompute's shift per prompt (``Point.shift``), qualifies with the
-        loosest tail gate under which it and every costlier point of its depth hold the budget, a prompt
+        ``quantile``) is within it, it and every costlier point of its series (``series``), runs ungated; a
+        point that does not, but measured its recompute's shift per prompt (``Point.shift``), qualifies with
+        the loosest tail gate under which it and every costlier point of its series hold the budget, a prompt
         over the gate counted as a full prefill (answer KL 0: ``gated``)."""
         out = []
-        for depth in {self.depth(p) for p in band.points}:
-            series = sorted((p for p in band.points if self.depth(p) == depth), key=lambda p: p.ratio)
+        for key in {self.series(p) for p in band.points}:
+            series = sorted((p for p in band.points if self.series(p) == key), key=lambda p: (p.ratio, p.first_k or 0))
             for i, p in enumerate(series):
                 rest = series[i:]
                 if all(upper_bound(x.answer_kl, self.quantile) <= budget for x in rest):
@@ -207,7 +215,11 @@ class CalibrationProfile:
         return Choice(self.options(best.point), band.name, round(best.bound, 6), best.gate, round(best.speedup, 3))
 
     def options(self, point: Point) -> ReuseOptions:
-        """The setting a request runs when ``point`` is chosen (uncapped, with the profile's sinks)."""
+        """The setting a request runs when ``point`` is chosen: first_k alone with its k, or query_attention
+        at its ratio and depth (uncapped, with the profile's sinks)."""
+        if point.first_k is not None:
+            return ReuseOptions(policy="first_k", ratio=0.0, max_recompute=None, first_k=point.first_k,
+                                probe_layers=self.probe_layers)
         return ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None, first_k=self.first_k,
                             probe_layers=self.depth(point))
 
@@ -272,9 +284,12 @@ class _PointFile(_Checked):
     speedup: float = Field(gt=0.0)
     probe_layers: int | None = Field(default=None, ge=0)
     shift: list[float] = Field(default_factory=list)
+    first_k: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _per_prompt(self) -> _PointFile:
+        if self.first_k is not None and (self.ratio != 0 or self.probe_layers is not None):
+            raise ValueError("a first_k point recomputes only its sinks: its ratio is 0 and it has no probe_layers")
         if any(k < 0 for k in self.answer_kl):
             raise ValueError("answer_kl holds a negative KL")
         if any(not 0.0 <= a <= 1.0 for a in self.tf_agreement):
@@ -309,7 +324,8 @@ class _ProfileFile(_Checked):
 
     def profile(self) -> CalibrationProfile:
         bands = tuple(Band(b.name, b.context_tokens, tuple(
-            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.shift))
+            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.shift),
+                  p.first_k)
             for p in b.points))
             for b in self.bands)
         return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,

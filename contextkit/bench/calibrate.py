@@ -1,29 +1,31 @@
-"""``contextkit calibrate``: measure what each recompute setting does to a model's answers, per length band,
-and write the profile that resolves ``ReuseOptions(policy="budget")`` (``contextkit.spans.calibration``).
+"""``contextkit calibrate``: measure what each recompute setting does to a model's answers, per length band, and write
+the profile that resolves ``ReuseOptions(policy="budget")`` (``contextkit.spans.calibration``).
 
-On the tune half of ``--data`` (the shared dev file by default; ``--set split=`` to change), per band
-(``--set bands=0.25k,1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's
-passages compiled as spans first. Per question: full prefill on the engine (the configured dtype) and its
-greedy answer (``--set answer_tokens=32``) are the reference; then for each query_attention ratio
-(``--set ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe
-depth (``--set probe_layers=8,0``: through the first 8 layers, and through all) the assembled KV's answer
-KL and teacher-forced agreement over that answer (``spans.fidelity``), and its TTFT. A budget chooses the
-fastest setting within it (``CalibrationProfile.choose``), so a deeper probe is taken where it reaches the
-budget at a ratio low enough to pay for itself. The profile keeps the per-prompt numbers; a budget is
-later held to their ``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th
-smallest of n, so more prompts give a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and
-are refused. The profile records the machine its speedups were measured on; ``--set speeds_from=PROFILE``
-re-times an existing profile's settings on this one, keeping its fidelity (``bench.calibrate_speeds``).
-``--set add_to=PROFILE`` adds the bands measured to an existing profile of the same weights, dtype, settings
-and machine class (a band of the same name is replaced): a new band without measuring the others again.
-Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set out=PATH``.
+On the tune half of ``--data`` (the shared dev file by default; ``--set split=`` to change), per band (``--set
+bands=0.25k,1.5k,3k,4k``) ``--n`` questions (default 24) rendered to that band, each question's passages compiled as
+spans first. Per question: full prefill on the engine (the configured dtype) and its greedy answer (``--set
+answer_tokens=32``) are the reference; then for each query_attention ratio (``--set
+ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe depth (``--set
+probe_layers=8,0``: through the first 8 layers, and through all), and for first_k alone at each k (``--set
+first_k=16,32,48,64,96``: EPIC's LegoLink, the first k tokens of each reused span recomputed, no probe; ``--set
+first_k=`` for none), the assembled KV's answer KL and teacher-forced agreement over that answer
+(``spans.fidelity``), and its TTFT. A budget chooses the fastest setting within it (``CalibrationProfile.choose``),
+so a deeper probe is taken where it reaches the budget at a ratio low enough to pay for itself, and first_k where it
+reaches the budget faster than any probe. The profile keeps the per-prompt numbers; a budget is later held to their
+``spans.calibration.upper_bound`` at ``--set quantile=0.9``: the ceil((n+1)q)-th smallest of n, so more prompts give
+a tighter bound, and fewer than q/(1-q) (9 at 0.9) bound nothing and are refused. The profile records the machine
+its speedups were measured on; ``--set speeds_from=PROFILE`` re-times an existing profile's settings on this one,
+keeping its fidelity (``bench.calibrate_speeds``). ``--set add_to=PROFILE`` adds the bands measured to an existing
+profile of the same weights, dtype, settings and machine class (a band of the same name is replaced): a new band
+without measuring the others again. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set
+out=PATH``.
 
-Rows: one per band, probe depth and ratio (answer KL p50/p90 and ``answer_kl_bound``, the bound a budget
-is held to; tf_agreement; speedup vs full prefill in the same run);
-summary: per band, the ratio, probe depth and tail gate each budget in ``BUDGETS`` (also ``bench spans``'
-budget rows) would choose, and its expected speedup (the gate's full prefills counted). Per row, the
-recompute's key shift per prompt (``Point.shift``) against the answer KL: ``shift_kl_rank_corr``, whether
-the shift can tell the tail (the gate's premise).
+Rows: one per band and setting (probe depth and ratio, or first_k's k; answer KL p50/p90 and ``answer_kl_bound``,
+the bound a budget is held to; tf_agreement; speedup vs full prefill in the same run); summary: per band, the
+policy, ratio, probe depth, k and tail gate each budget in ``BUDGETS`` (also ``bench spans``' budget rows) would
+choose, and its expected speedup (the gate's full prefills counted). Per row, the recompute's key shift per prompt
+(``Point.shift``) against the answer KL: ``shift_kl_rank_corr``, whether the shift can tell the tail (the gate's
+premise).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,9 @@ from contextkit.spans.fidelity import compare, reference_answer
 
 RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 PROBES = (8, 0)  # probe depths: the first 8 layers (ReuseOptions' default), and all (0)
+# first_k alone (LegoLink): on Qwen2.5-0.5B bf16 at 1.5k (tune half, 2026-12-06) k=32 reached r=0.2's answer
+# KL p90 at 3.5x instead of 3.0x and k=64 r=0.3's speed at a lower KL (docs/benchmarks.md, "Per-span first-k")
+FIRST_KS = (16, 32, 48, 64, 96)
 BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
 
 
@@ -68,6 +74,18 @@ def _probes(text: str | None) -> tuple[int, ...]:
     return probes
 
 
+def _first_ks(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return FIRST_KS
+    try:
+        ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        ks = (0,)
+    if ks and min(ks) < 1:
+        raise ConfigError(f"--set first_k={text!r}: give comma-separated token counts >= 1 (empty: no first_k series)")
+    return ks
+
+
 def _ratios(text: str | None) -> tuple[float, ...]:
     if text is None:
         return RATIOS
@@ -80,11 +98,32 @@ def _ratios(text: str | None) -> tuple[float, ...]:
     return ratios
 
 
-Setting = tuple[int, float]  # (probe depth, ratio)
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting calibrate measures: query_attention at ``ratio`` through ``probe_layers`` layers, or, with
+    ``first_k``, first_k alone (``Point.first_k``)."""
+
+    probe_layers: int | None
+    ratio: float
+    first_k: int | None = None
+
+    def point(self, answer_kl: tuple[float, ...] = (), tf_agreement: tuple[float, ...] = (), speedup: float = 1.0,
+              shift: tuple[float, ...] = ()) -> Point:
+        return Point(self.ratio, answer_kl, tf_agreement, speedup, self.probe_layers, shift, self.first_k)
 
 
-def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tuple[Setting, ...],
-              answer_tokens: int) -> tuple[float, dict[Setting, tuple[float, float, float, float | None]]]:
+def _settings(probes: tuple[int, ...], ratios: tuple[float, ...], ks: tuple[int, ...]) -> tuple[Setting, ...]:
+    """Every query_attention (depth, ratio), ratio 0 once (it runs no probe: under the first depth), then
+    first_k at each k."""
+    qa = tuple(Setting(d, r) for d in probes for r in ratios if r > 0 or d == probes[0])
+    return qa + tuple(Setting(None, 0.0, k) for k in ks)
+
+
+Measured = tuple[float, float, float, float | None]  # answer KL, tf_agreement, TTFT, the recompute's key shift
+
+
+def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, shell: CalibrationProfile,
+              settings: tuple[Setting, ...], answer_tokens: int) -> tuple[float, dict[Setting, Measured]]:
     """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT, the recompute's
     key shift: the tail gate's signal) against it."""
     for it in plan.items[:-1]:
@@ -96,32 +135,31 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, settings: tup
     full_ms = (time.perf_counter() - t0) * 1e3
     kv, _ = answered(engine, tok, plan.ids, full.cache, full.logits, SamplingParams(max_new_tokens=answer_tokens))
     ref = reference_answer(engine, kv.cache, kv.first_logits, kv.token_ids, stopped=kv.stopped)
-    base = ReuseOptions().fallback()
     out = {}
-    for depth, r in settings:
-        opts = dataclasses.replace(base, ratio=r, max_recompute=None, probe_layers=depth)
+    for s in settings:
+        opts = shell.options(s.point())  # what a request runs when the profile chooses this setting
         t0 = time.perf_counter()
         asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
         ms = (time.perf_counter() - t0) * 1e3
         f = compare(ref, engine, asm.cache, asm.logits)
-        out[(depth, r)] = (f.answer_kl, f.tf_agreement, ms, asm.report.recompute_shift)
+        out[s] = (f.answer_kl, f.tf_agreement, ms, asm.report.recompute_shift)
     return full_ms, out
 
 
 def _band(name: str, chosen: list[tuple[Any, RequestPlan]], cache: SpanCache, tok: Tokenizer,
-          settings: tuple[Setting, ...], answer_tokens: int, tick: Tick) -> Band:
+          shell: CalibrationProfile, settings: tuple[Setting, ...], answer_tokens: int, tick: Tick) -> Band:
     full_ms: list[float] = []
-    per: dict[Setting, list[tuple[float, float, float, float | None]]] = {s: [] for s in settings}
+    per: dict[Setting, list[Measured]] = {s: [] for s in settings}
     for qi, (_, plan) in enumerate(chosen):
         tick(f"{name} q{qi}")
-        ms, measured = _question(cache, tok, plan, settings, answer_tokens)
+        ms, measured = _question(cache, tok, plan, shell, settings, answer_tokens)
         full_ms.append(ms)
         for s, m in measured.items():
             per[s].append(m)
     full = median(full_ms)
-    points = tuple(Point(r, tuple(round(m[0], 6) for m in per[(d, r)]), tuple(round(m[1], 4) for m in per[(d, r)]),
-                         round(full / median([m[2] for m in per[(d, r)]]), 3), probe_layers=d,
-                         shift=_shifts([m[3] for m in per[(d, r)]])) for d, r in settings)
+    points = tuple(s.point(tuple(round(m[0], 6) for m in per[s]), tuple(round(m[1], 4) for m in per[s]),
+                           round(full / median([m[2] for m in per[s]]), 3), _shifts([m[3] for m in per[s]]))
+                   for s in settings)
     return Band(name, int(median([p.num_tokens for _, p in chosen])), points)
 
 
@@ -139,8 +177,8 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     bands = parse_bands(ctx.option("bands", "0.25k,1.5k,3k,4k"))
     ratios = _ratios(ctx.option("ratios", None))
     probes = _probes(ctx.option("probe_layers", None))
-    # ratio 0 runs no probe: measured once, under the first depth
-    settings = tuple((d, r) for d in probes for r in ratios if r > 0 or d == probes[0])
+    ks = _first_ks(ctx.option("first_k", None))
+    settings = _settings(probes, ratios, ks)
     answer_tokens = ctx.option("answer_tokens", 32, int)
     q = ctx.option("quantile", 0.9, float)
     if not 0 < q < 1 or answer_tokens < 1:
@@ -174,12 +212,12 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
         first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class())
     base = _base(ctx.option("add_to", None), shell)
     tick(total=sum(len(c) for c in work.values()))
-    fitted = tuple(_band(b, c, cache, tok, settings, answer_tokens, tick) for b, c in work.items())
+    fitted = tuple(_band(b, c, cache, tok, shell, settings, answer_tokens, tick) for b, c in work.items())
     profile = _merged(base, dataclasses.replace(shell, bands=fitted))
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
-                                     "ratios": ratios, "probe_layers": probes, "quantile": q,
+                                     "ratios": ratios, "probe_layers": probes, "first_k": ks, "quantile": q,
                                      "answer_tokens": answer_tokens, "profile": str(out)},
                        _rows(profile), _summary(profile, n))
 
@@ -211,7 +249,9 @@ def _base(path: str | None, want: CalibrationProfile) -> CalibrationProfile | No
 
 
 def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
-    return [{"band": b.name, "context_tokens": b.context_tokens, "probe_layers": profile.depth(p), "ratio": p.ratio,
+    return [{"band": b.name, "context_tokens": b.context_tokens, "policy": profile.options(p).policy,
+             "probe_layers": None if p.first_k is not None else profile.depth(p), "ratio": p.ratio,
+             "first_k": p.first_k,
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
              "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares
              "tf_agreement": round(sum(p.tf_agreement) / len(p.tf_agreement), 3), "speedup_vs_full": p.speedup,
@@ -250,8 +290,11 @@ def _summary(profile: CalibrationProfile, n: int) -> dict[str, Any]:
         for budget in BUDGETS:
             c = profile.choose(budget, b.context_tokens)
             full = c.options.policy == "full"
+            qa = c.options.policy == "query_attention"
+            out[band_key(f"policy_at_{budget}", b.name)] = c.options.policy
             out[band_key(f"ratio_at_{budget}", b.name)] = "full" if full else c.options.ratio
-            out[band_key(f"probe_layers_at_{budget}", b.name)] = None if full else c.options.probe_layers
+            out[band_key(f"probe_layers_at_{budget}", b.name)] = c.options.probe_layers if qa else None
+            out[band_key(f"first_k_at_{budget}", b.name)] = c.options.first_k if c.options.policy == "first_k" else None
             out[band_key(f"gate_at_{budget}", b.name)] = c.tail_gate  # the tail gate (None: none)
             out[band_key(f"expected_speedup_at_{budget}", b.name)] = 1.0 if full else c.expected_speedup
     return out

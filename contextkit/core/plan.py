@@ -141,6 +141,9 @@ class ReuseReport:
     recomputed_slots: tuple[int, ...] = ()
     exact_tokens: int = 0  # reused tokens of an exact prefix (computed before after the same prefix)
     probe_layers: int | None = None  # query_attention: the probe's depth (0: all layers); None otherwise
+    # tokens recomputed at the start of each reused span (first_k's k; the sinks under query_attention and
+    # kv_deviation); None where nothing is recomputed ("none", "full")
+    first_k: int | None = None
     # the mean relative change of K at the recomputed tokens (over layers and KV heads): how far recomputing
     # moved them, the tail gate's signal (None: nothing recomputed)
     recompute_shift: float | None = None

@@ -179,8 +179,8 @@ def connector_report(ups: Upstreams, u: Upstream, model: str | None, salt: str, 
     rec = got.recompute
     if rec is not None:  # what the connector resolved and recomputed, as serve reports it
         loaded, n = got.loaded_tokens, rec.get("recomputed_tokens") or 0
-        reported = ("policy", "ratio", "probe_layers", "fidelity_budget", "profile", "band", "requested", "reason",
-                    "clamped", "limits")  # clamped / limits: the connector's operator limits cut the setting
+        reported = ("policy", "ratio", "probe_layers", "first_k", "fidelity_budget", "profile", "band", "requested",
+                    "reason", "clamped", "limits")  # clamped / limits: the connector's operator limits cut the setting
         out.update({k: rec[k] for k in reported if k in rec})
         cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
         out.update(recomputed_tokens=n, reused_tokens=max(0, loaded - n))

@@ -44,7 +44,7 @@ class StartedAnswer:
                 "prefilled_tokens": rep.prefilled_tokens, "compiled_tokens": rep.compiled_tokens,
                 "exact_tokens": rep.exact_tokens,
                 "span_hits": rep.hits, "span_misses": rep.misses, "policy": rep.policy, "ratio": rep.ratio,
-                "probe_layers": rep.probe_layers,
+                "probe_layers": rep.probe_layers, "first_k": rep.first_k,
                 "fidelity_budget": rep.fidelity_budget, "profile": rep.profile, "band": rep.band,
                 "tail_gate": rep.tail_gate, "escalated": rep.escalated,
                 "order": list(stream.plan.document_ids), "reordered": stream.plan.reordered,

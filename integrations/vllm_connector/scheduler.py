@@ -270,6 +270,7 @@ class ConnectorScheduler:
             recompute = {**st.report, "recomputed_tokens": st.recomputed_tokens}
             if st.repair is not None:
                 recompute["ratio"] = st.repair.ratio
+                recompute["first_k"] = st.repair.first_k
                 if st.repair.policy == "query_attention":
                     recompute["probe_layers"] = st.repair.probe_layers
         missing = tuple(st.lookup[3]) if st.lookup is not None else ()

@@ -188,7 +188,8 @@ class ConnectorAnswer:
         mode: the request's mode as the connector ran it ("exact" after a fallback).
         loaded_tokens: prompt tokens loaded from the store (exact blocks or re-rotated spans).
         recompute: the recompute report: what was resolved and recomputed (policy, ratio, probe_layers,
-            fidelity_budget, profile, band, recomputed_tokens, clamped, limits, reason...); None: none asked.
+            first_k, fidelity_budget, profile, band, recomputed_tokens, clamped, limits, reason...); None:
+            none asked.
         missing_spans: spans the store lacked (vLLM computed them in this prompt).
         saved_spans: of those, the ones saved out of this request as span KV.
     """

@@ -20,14 +20,16 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
                                                                              passage_text):
     profile_file, table = tmp_path / "profile.json", tmp_path / "calibrate.json"
     proc = cli("calibrate", "--n", "1", "--dtype", "float32", "--out", str(profile_file), "--json", str(table),
-               "--set", "bands=1.5k", "--set", "ratios=0,0.3", "--set", "answer_tokens=4", "--set", "split=all",
-               "--set", "quantile=0.5", timeout=900)  # one prompt bounds a median (a 90% quantile needs 9)
+               "--set", "bands=1.5k", "--set", "ratios=0,0.3", "--set", "first_k=8", "--set", "answer_tokens=4",
+               "--set", "split=all", "--set", "quantile=0.5",  # one prompt bounds a median (a 90% quantile needs 9)
+               timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "profile written to" in proc.stderr
     result = json.loads(table.read_text())
-    # each ratio at both probe depths (8 layers, all), except ratio 0, which runs no probe
-    assert [(r["band"], r["probe_layers"], r["ratio"]) for r in result["rows"]] == [
-        ("1.5k", 8, 0.0), ("1.5k", 8, 0.3), ("1.5k", 0, 0.3)]
+    # each ratio at both probe depths (8 layers, all), except ratio 0, which runs no probe; then first_k alone
+    assert [(r["band"], r["policy"], r["probe_layers"], r["ratio"], r["first_k"]) for r in result["rows"]] == [
+        ("1.5k", "query_attention", 8, 0.0, None), ("1.5k", "query_attention", 8, 0.3, None),
+        ("1.5k", "query_attention", 0, 0.3, None), ("1.5k", "first_k", None, 0.0, 8)]
     assert all(r["answer_kl_p90"] >= 0 and 0 <= r["tf_agreement"] <= 1 for r in result["rows"])
 
     digest = weights_digest(smol_dir)
@@ -35,7 +37,8 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     assert profile.id == f"{digest[:12]}-float32" and profile.bands[0].name == "1.5k"
     assert len(profile.bands[0].points[0].answer_kl) == 1
     # the recompute's key shift per prompt, the tail gate's signal (ratio 0 recomputes the sinks)
-    assert [len(p.shift) for p in profile.bands[0].points] == [1, 1, 1]
+    assert [len(p.shift) for p in profile.bands[0].points] == [1, 1, 1, 1]
+    assert [p.first_k for p in profile.bands[0].points] == [None, None, None, 8]
     assert all(d > 0 for p in profile.bands[0].points for d in p.shift)
     assert profile.machine == machine_class()  # where its speedups were measured
 
@@ -50,13 +53,14 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     retimed = CalibrationProfile.load(retimed_file, model_digest=digest, dtype="float32")
     assert retimed.machine == machine_class()
     for before, after in zip(profile.bands[0].points, retimed.bands[0].points):
-        assert (after.ratio, after.answer_kl, after.shift) == (before.ratio, before.answer_kl, before.shift)
+        assert (after.ratio, after.first_k, after.answer_kl, after.shift) == (
+            before.ratio, before.first_k, before.answer_kl, before.shift)
         assert after.speedup > 0
     # a short band added to that profile, its 1.5k band kept as measured; a profile measured on another
     # machine class (or with other settings) refuses it before anything is measured
     merged_file = tmp_path / "merged.json"
     short = ("--n", "1", "--dtype", "float32", "--set", "bands=0.25k", "--set", "ratios=0,0.3", "--set",
-             "answer_tokens=4", "--set", "split=all", "--set", "quantile=0.5")
+             "first_k=", "--set", "answer_tokens=4", "--set", "split=all", "--set", "quantile=0.5")
     proc = cli("calibrate", *short, "--set", f"add_to={retimed_file}", "--set", f"out={merged_file}", timeout=900)
     assert proc.returncode == 0, proc.stderr
     merged = CalibrationProfile.load(merged_file, model_digest=digest, dtype="float32")
@@ -85,7 +89,8 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
         # full prefill (then full prefill, exact and faster)
         chosen = profile.choose(1.0, 1500).options
         fastest = max(profile.bands[0].points, key=lambda p: p.speedup)
-        assert gen.reuse.policy == chosen.policy == ("full" if fastest.speedup < 1 else "query_attention")
+        want = "full" if fastest.speedup < 1 else profile.options(fastest).policy
+        assert gen.reuse.policy == chosen.policy == want
         if chosen.policy != "full":
             assert gen.reuse.ratio == chosen.ratio == fastest.ratio
     finally:

@@ -118,6 +118,27 @@ def test_a_deeper_probe_is_chosen_where_it_reaches_the_budget_faster():
     assert (c.options.ratio, c.options.probe_layers) == (0.5, 8)  # the envelope holds within a depth
 
 
+def test_first_k_alone_is_a_series_of_its_own_chosen_where_it_reaches_the_budget_fastest():
+    """first_k at several k (EPIC's LegoLink: each reused span's first k tokens recomputed, no probe) beside
+    query_attention's ratios: its points are ordered by k, and the fastest qualifying setting of any series
+    runs, as the options a request gets (policy first_k, ratio 0)."""
+    qa = (_point(0.0, 0.4, speedup=12.0), _point(0.2, 0.08, speedup=3.0), _point(0.3, 0.04, speedup=2.3))
+    fk = tuple(dataclasses.replace(_point(0.0, kl, speedup=sp), first_k=k)
+               for k, kl, sp in ((16, 0.2, 5.0), (32, 0.09, 3.5), (64, 0.05, 2.2)))
+    p = _profile((Band("1.5k", 1500, qa + fk),))
+    c = p.choose(0.1, 1500)  # k=32 (3.5x) and r=0.2 (3.0x) both hold 0.1: the faster runs
+    assert (c.options.policy, c.options.first_k, c.options.ratio, c.predicted_kl) == ("first_k", 32, 0.0, 0.09)
+    assert c.options.max_recompute is None and c.expected_speedup == 3.5
+    c = p.choose(0.05, 1500)  # k=64 (2.2x) ties r=0.3 (2.3x) within 5%: r=0.3's smaller bound wins
+    assert (c.options.policy, c.options.ratio, c.options.first_k) == ("query_attention", 0.3, 2)
+    assert p.choose(0.5, 1500).options.policy == "query_attention"  # r=0 (12x) beats every k
+    lucky = dataclasses.replace(fk[0], answer_kl=(0.01,) * N)  # k=16 below a costlier k=32 that misses 0.05
+    c = _profile((Band("1.5k", 1500, qa + (lucky,) + fk[1:]),)).choose(0.05, 1500)
+    assert c.options.policy == "query_attention"  # the envelope holds within the k series
+    assert CalibrationProfile.from_json(p.to_json()) == p  # a point's k round-trips
+    assert p.series(fk[0]) == ("first_k", 0) and p.series(qa[1]) == ("query_attention", 8)
+
+
 def test_too_few_prompts_bound_nothing_and_the_profile_says_so(tmp_path, caplog):
     few = Band("1.5k", 1500, (Point(0.0, (0.01,) * 8, (1.0,) * 8, 5.0),))
     p = _profile((few,))
@@ -185,6 +206,9 @@ def _set(raw: dict, path: tuple, value) -> dict:
     (("bands", 0, "points", 1, "ratio"), 1.5, "bands[0].points[1].ratio"),
     (("bands", 0, "points", 1, "ratio"), -0.1, "bands[0].points[1].ratio"),
     (("bands", 0, "points", 1, "ratio"), "0.3", "bands[0].points[1].ratio"),
+    (("bands", 0, "points", 0, "first_k"), 0, "bands[0].points[0].first_k"),
+    (("bands", 0, "points", 0, "first_k"), 8.5, "bands[0].points[0].first_k"),
+    (("bands", 0, "points", 1, "first_k"), 16, "bands[0].points[1]"),  # a first_k point at ratio 0.1
     (("bands", 0, "points", 0, "probe_layers"), -1, "bands[0].points[0].probe_layers"),
     (("bands", 0, "points", 0, "probe_layers"), 8.5, "bands[0].points[0].probe_layers"),
     (("bands", 1, "points", 2, "answer_kl"), "abc", "bands[1].points[2].answer_kl"),
@@ -220,7 +244,7 @@ def test_a_profile_with_a_value_out_of_range_is_refused_naming_the_field(tmp_pat
 _JSONISH = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True),
                      st.text(max_size=3), st.lists(st.floats(-1, 2), max_size=3))
 _FIELDS = [("ratio",), ("answer_kl",), ("answer_kl", 0), ("tf_agreement", 1), ("speedup",), ("probe_layers",),
-           ("shift",)]
+           ("shift",), ("first_k",)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -244,7 +268,7 @@ def test_whatever_a_profile_holds_it_is_refused_at_load_or_chooses_without_raisi
         assert "contextkit calibrate" in str(exc)
         return
     choice = profile.choose(budget, tokens)  # what the connector's scheduler calls: never raises
-    assert choice.options.policy in ("full", "query_attention") and 0.0 <= choice.options.ratio <= 1.0
+    assert choice.options.policy in ("full", "query_attention", "first_k") and 0.0 <= choice.options.ratio <= 1.0
     assert choice.tail_gate is None or choice.tail_gate >= 0.0
 
 

@@ -294,3 +294,21 @@ def test_a_gated_budget_carries_its_tail_gate_to_the_worker_and_the_report(store
     assert loaded == [128] and meta.loads[0].repair.tail_gate == 0.3
     report = _report(sched, req)["recompute"]
     assert report["tail_gate"] == 0.3 and report["policy"] == "query_attention" and report["ratio"] == 0.2
+
+
+def test_a_budget_that_chooses_first_k_repairs_only_each_spans_first_tokens(store, tmp_path):
+    """policy="budget" resolved by a profile whose fastest setting within the budget is first_k alone: the
+    repair plan recomputes each loaded span's first k tokens and nothing else (no probe), and the report
+    says which k ran."""
+    kl = (0.01,) * 19
+    point = Point(0.0, kl, (1.0,) * 19, 3.0, first_k=16)
+    profile = CalibrationProfile("ab" * 32, "bfloat16", 0.9, 32, "hand-made", (Band("short", 170, (point,)),))
+    sched = _scheduler(store, tmp_path, None, profile=profile)
+    req = _request("k1", ReuseOptions(fidelity_budget=0.05))
+    loaded, meta = _schedule(sched, [req])
+    repair = meta.loads[0].repair
+    assert loaded == [128] and repair.policy == "first_k" and repair.count == 0
+    assert len(repair.sinks) == sum(min(16, n) for _, n, src in repair.pieces if src == 0) > 0
+    report = _report(sched, req)["recompute"]
+    assert (report["policy"], report["ratio"], report["first_k"]) == ("first_k", 0.0, 16)
+    assert "probe_layers" not in report and report["recomputed_tokens"] == len(repair.sinks)
