@@ -18,7 +18,6 @@ handle is the same miss as an unknown one.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -31,10 +30,9 @@ import torch
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.tenant import Tenant
+from contextkit.core.types import HANDLE
 from contextkit.spans.key import span_key
 from contextkit.spans.store import CompiledSpan
-
-HANDLE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # what our response ids look like (and a caller's own)
 
 Read = Literal["kv", "unknown", "expired", "mismatch", "malformed", "repeated", "not_reused"]
 """How a named handle was read: ``kv`` (its kept KV, re-positioned); else from the text, because it is

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 from contextkit.core.errors import EmptyInputError
+
+# a kept answer's handle (parallel agents over HTTP: ``synthesis.handles``): what our response ids look like,
+# and a caller's own
+HANDLE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)

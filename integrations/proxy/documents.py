@@ -30,6 +30,7 @@ from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
 from contextkit.integrations.edge.parse import parse_chat
 from contextkit.integrations.edge.shapes import SAMPLING, ChatBody
+from contextkit.integrations.proxy.agents import agents_report
 from contextkit.integrations.proxy.exchange import Exchange
 from contextkit.integrations.proxy.placement import place
 from contextkit.integrations.proxy.planning import Planning
@@ -98,7 +99,7 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
             u.weaver.record(plan.served, plan.tenant)  # accepted: its prefix cache now holds this order
         if chat.stream:
             path.streamed(ups, u, chat.model, salt, plan, sent)
-            return await translate_stream(ups, u, resp, plan, receive, send, t, sent.reuse)
+            return await translate_stream(ups, u, resp, plan, receive, send, t, sent.reuse, agents_report(chat))
         try:
             obj = json.loads(await resp.read())
         except (*UPSTREAM_ERRORS, ValueError) as exc:
@@ -108,5 +109,5 @@ async def documents(ups: Upstreams, planner: Planner, tenancy: Tenancy, tenant: 
     ups.first_bytes(t)
     ups.metrics.usage(obj.get("usage"))
     reuse = path.answered(ups, u, chat.model, salt, plan, sent, obj)
-    await send_json(send, t, 200, chat_from_completion(obj, extension(plan, u, obj.get("usage") or {}, reuse)),
-                    [proxy_ms(t)])
+    ext = extension(plan, u, obj.get("usage") or {}, reuse, agents_report(chat))
+    await send_json(send, t, 200, chat_from_completion(obj, ext), [proxy_ms(t)])

@@ -12,7 +12,10 @@ from contextkit.integrations.proxy.relay import Upstreams, echo_id, proxy_ms, st
 from contextkit.integrations.proxy.upstreams import Upstream
 
 
-def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: dict | None = None) -> dict:
+def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: dict | None = None,
+              agents: dict | None = None) -> dict:
+    """The answer's ``contextkit`` field: the order served, where it ran, what was cached and reused, and
+    parallel agents' fields (``agents.agents_report``)."""
     out = {"order": list(plan.document_ids), "reordered": plan.reordered,
            "expected_cached_tokens": plan.expected_cached_tokens, "upstream": u.name, "tenant": plan.tenant.name,
            "padding_tokens": plan.padding_tokens, "prompt_tokens": plan.num_tokens}
@@ -23,7 +26,7 @@ def extension(plan: RequestPlan, u: Upstream, usage: dict | None = None, reuse: 
         out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if reuse is not None:
         out["reuse"] = reuse
-    return out
+    return {**out, **(agents or {})}
 
 
 def _chat_id(obj: dict) -> str:
@@ -40,7 +43,7 @@ def chat_from_completion(resp: dict, ext: Exchange) -> dict:
 
 
 async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan, receive, send, t: Exchange,
-                           reuse: dict | None = None) -> None:
+                           reuse: dict | None = None, agents: dict | None = None) -> None:
     """Relay a streamed completion as chat chunks (``relay.streamed`` handles hang-ups and failures)."""
     t.status = 200
     await send({"type": "http.response.start", "status": 200,
@@ -67,5 +70,5 @@ async def translate_stream(ups: Upstreams, u: Upstream, resp, plan: RequestPlan,
             use = obj.get("usage")
             ups.metrics.usage(use)
             out = chunk(_chat_id(obj), obj.get("model"), True, deltas,
-                        obj.get("created"), use, extension(plan, u, use, reuse) if use else None)
+                        obj.get("created"), use, extension(plan, u, use, reuse, agents) if use else None)
             await send({"type": "http.response.body", "body": sse(out), "more_body": True})

@@ -37,6 +37,7 @@ from contextkit.core.errors import (
 from contextkit.core.generation import SamplingParams
 from contextkit.core.tenancy import Tenancy
 from contextkit.core.tenant import Tenant
+from contextkit.core.types import HANDLE
 from contextkit.integrations.edge.answers import error_body, error_headers, new_id
 from contextkit.integrations.edge.metrics import CONTENT_TYPE, ServerMetrics, check_metrics_access
 from contextkit.integrations.edge.openapi import openapi_schema
@@ -48,7 +49,7 @@ from contextkit.integrations.serve.engine_turns import EngineThreadScheduler, Jo
 from contextkit.integrations.serve.kept import KeptAnswers, Turn
 from contextkit.kit import ContextKit, KitStream
 from contextkit.kvstore.metrics import StoreCollector
-from contextkit.synthesis.handles import HANDLE, KeepLimits
+from contextkit.synthesis.handles import KeepLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,41 @@ def test_documents_are_ordered_for_the_prefix_cache(clients):
     assert last["order"] == ["doc0", "doc1", "doc2"] and last["cached_tokens"] > 0
 
 
+def test_parallel_agents_fields_are_answered_as_misses_and_the_text_is_prefilled(clients):
+    """The proxy keeps no KV for agents yet (serve does): a worker asking to keep its answer is told so in
+    serve's shape, and a synthesizer naming handles gets each one read from its text (unknown, repeated,
+    malformed, as serve says them), its prompt token for token the one without handles."""
+    via, direct = clients
+    model = direct.models.list().data[0].id
+    question, docs = _docs()
+    worker = via.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0,
+        extra_body={"documents": docs, "contextkit": {"keep": True}})
+    kept = worker.model_extra["contextkit"]["kept"]
+    assert kept["handle"] is None and "contextkit serve" in kept["why"]
+    notes = [{"role": "user", "content": f"Worker said: {worker.choices[0].message.content}. {question}"}]
+
+    def synthesize(handles, **kw):
+        body = {"documents": docs, "return_token_ids": True}
+        if handles is not None:
+            body["contextkit"] = {"handles": handles}
+        return via.chat.completions.create(model=model, messages=notes, max_tokens=4, temperature=0,
+                                           extra_body=body, **kw)
+
+    named = synthesize([worker.id, worker.id, 5, "not a handle!"])
+    assert [(r["handle"], r["read"], r["tokens"]) for r in named.model_extra["contextkit"]["handles"]] == [
+        (worker.id, "unknown", 0), (worker.id, "repeated", 0), ("5", "malformed", 0),
+        ("not a handle!", "malformed", 0)]
+    plain = synthesize(None)
+    assert "handles" not in plain.model_extra["contextkit"] and "kept" not in plain.model_extra["contextkit"]
+    assert named.choices[0].model_extra["prompt_token_ids"] == plain.choices[0].model_extra["prompt_token_ids"]
+    assert synthesize("auto").model_extra["contextkit"]["handles"] == []  # nothing kept here: nothing found
+    chunks = list(via.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0, stream=True,
+        extra_body={"documents": docs, "contextkit": {"keep": True}}))
+    assert chunks[-1].model_extra["contextkit"]["kept"]["handle"] is None  # with the usage, on the last chunk
+
+
 def test_bad_requests_get_openai_errors(proxy, clients):
     via, direct = clients
     model = direct.models.list().data[0].id
