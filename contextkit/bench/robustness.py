@@ -165,7 +165,8 @@ def _measure(ctx: BenchContext, tick: Tick, server: str, proc: CLIServer, url_of
         got = scrape_metrics(url_of["vllm"])
         row.update({f"connector_{k}": int(got.get(f"contextkit_connector_{k}_total", 0))
                     for k in ("loaded_tokens", "span_tokens", "repairs", "repaired_tokens", "repair_clamps",
-                              "repair_sheds", "policy_fallbacks", "saved_entries", "dropped_saves", "load_failures")})
+                              "repair_sheds", "repair_skips", "policy_fallbacks", "saved_entries", "dropped_saves",
+                              "load_failures")})
     return {"base": base, "under": under, "counts": counts, "rss": (rss0, rss1), "kv": (kv0, kv1),
             "probes": (sent, leaks, armed, what), "health": health}
 

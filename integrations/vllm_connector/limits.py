@@ -55,6 +55,7 @@ class RepairLimits:
         self.max_tokens = settings.max_recompute_tokens
         self.max_step_work = settings.max_step_recompute_tokens or step_tokens
         self.max_bytes = settings.max_repair_bytes
+        self.token_cost = settings.repair_token_cost
         self.layers = geometry.num_layers
         # per token of the repair's cache: K and V of every layer, plus its position and segment (int64)
         itemsize = _ITEMSIZE.get(geometry.dtype, 4)
@@ -85,6 +86,14 @@ class RepairLimits:
             elif r.policy == "kv_deviation":
                 work += math.ceil(end * (min(r.check_layer, self.layers - 1) + 1) / self.layers)
         return RepairNeed(sink, count, moved, work, self.token_bytes * (probe_end + start), count < want)
+
+    def not_worth(self, need: RepairNeed, loaded: int) -> str | None:
+        """Why the repair of a ``loaded``-token load would cost more than vLLM computing those tokens (its
+        work, in vLLM prefill tokens at ``repair_token_cost`` each, reaches them); None: it pays."""
+        if self.token_cost and loaded and need.work * self.token_cost >= loaded:
+            return (f"its repair is {need.work} tokens of work for the {loaded} tokens it loads (repair_token_cost "
+                    f"{self.token_cost:g}): vLLM computes them for less")
+        return None
 
     def refusal(self, need: RepairNeed) -> str | None:
         """Why this repair must be shed now (None: it fits this step). No request data in the text."""

@@ -143,17 +143,22 @@ class ConnectorScheduler:
         return num_computed_tokens, sum(p.n for p in pieces), pieces, missing
 
     def _hold_to_limits(self, st: RequestState, req_id: str) -> None:
-        """Shed the request's repair when it would break a limit this step (``limits.RepairLimits.refusal``):
-        it then loads nothing and vLLM computes its span region (the path of policy "full")."""
+        """Shed the request's repair when it would break a limit this step (``limits.RepairLimits.refusal``),
+        skip it when it would cost more than vLLM computing the region it loads (``not_worth``): either way
+        it loads nothing and vLLM computes its span region (the path of policy "full")."""
         computed, n, pieces, missing = st.lookup
         need = self.limits.need(st.repair, start=computed, end=computed + n, prompt=len(st.ids), pieces=pieces,
                                 probe_end=st.opts.probe_end)
-        reason = self.limits.refusal(need)
-        if reason is None:
+        if shed := self.limits.refusal(need):
+            log.warning("request %s: recompute shed to a full prefill of its span region: %s", req_id, shed)
+            self.counters.add("repair_sheds")
+            reason = f"shed: {shed}"
+        elif skip := self.limits.not_worth(need, n):  # a cost decision, not an overload: no warning
+            self.counters.add("repair_skips")
+            reason = f"skipped: {skip}"
+        else:
             return
-        log.warning("request %s: recompute shed to a full prefill of its span region: %s", req_id, reason)
-        self.counters.add("repair_sheds")
-        st.report = {**st.report, "policy": "full", "requested": st.opts.recompute.policy, "reason": f"shed: {reason}"}
+        st.report = {**st.report, "policy": "full", "requested": st.opts.recompute.policy, "reason": reason}
         st.repair = None
         st.lookup = (computed, 0, (), missing)
 

@@ -84,6 +84,13 @@ class ConnectorSettings:
             in bf16: ~23 KB a token); a request over it is shed.
         repair_chunk_tokens: tokens recomputed per forward of the repair at most (512): the chosen tokens
             run in position order, chunk after chunk, which bounds the forward's activations.
+        repair_token_cost: what one token of the repair's work costs in tokens of vLLM's own prefill; a
+            repair whose work times this reaches the tokens it loads would cost more than vLLM computing
+            them (first_k at a large k over short passages recomputes all of them), so it is skipped: the
+            request loads nothing of its span region and vLLM computes it, counted in ``repair_skips``.
+            1.0 (the default) is the bound that holds on any machine: the repair is never cheaper per token
+            than vLLM's own kernels (measured 1.5x dearer in fp32 on an AVX2 EPYC, docs/benchmarks.md);
+            set the measured ratio to skip more, 0 to never skip.
     """
 
     disk_dir: Path | None = None
@@ -103,6 +110,7 @@ class ConnectorSettings:
     max_step_recompute_tokens: int | None = None
     max_repair_bytes: int = 1 << 30
     repair_chunk_tokens: int = 512
+    repair_token_cost: float = 1.0
 
     def __post_init__(self) -> None:
         if self.disk_dir is None and not self.remote_url:
@@ -125,6 +133,9 @@ class ConnectorSettings:
     def _check_repair_limits(self) -> None:
         if type(self.max_recompute_ratio) not in (int, float) or not 0.0 <= self.max_recompute_ratio <= 1.0:
             raise ConfigError(f"max_recompute_ratio must be in [0, 1], got {self.max_recompute_ratio}")
+        cost = self.repair_token_cost
+        if type(cost) not in (int, float) or not 0.0 <= cost <= 100.0:
+            raise ConfigError(f"repair_token_cost must be a number in [0, 100] (0: never skip), got {cost!r}")
         for name in ("max_recompute_tokens", "max_step_recompute_tokens", "max_repair_bytes", "repair_chunk_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_step_recompute_tokens":

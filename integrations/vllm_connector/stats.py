@@ -33,6 +33,8 @@ COUNTERS = {
                        "release): run as exact reuse",
     "repair_clamps": "requests whose recompute was cut to the connector's limits (max_recompute_ratio, "
                      "max_recompute_tokens)",
+    "repair_skips": "requests whose repair would have cost more than vLLM computing the span region it loads "
+                    "(ConnectorSettings.repair_token_cost): the region was left to vLLM",
     "repair_sheds": "requests whose repair was over a limit (the step's tokens, the repair's memory): their span "
                     "region was left to vLLM to compute in full",
 }

@@ -146,7 +146,9 @@ def test_a_setting_that_cannot_be_resolved_runs_as_exact_reuse_and_is_counted(st
 
 # -- the operator's limits ------------------------------------------------------------------------------
 def test_the_default_limits_leave_the_default_settings_alone(store, tmp_path):
-    sched = _scheduler(store, tmp_path, None)
+    # the cost gate off: on this two-layer model kv_deviation's pass over the context runs through every
+    # layer, so its repair does cost more than the region it loads (the gate's own test is below)
+    sched = _scheduler(store, tmp_path, None, repair_token_cost=0)
     reqs = [_request(f"d{i}", r) for i, r in enumerate((ReuseOptions(), ReuseOptions(policy="kv_deviation"),
                                                        ReuseOptions(policy="query_attention", ratio=0.7)))]
     loaded, meta = _schedule(sched, reqs)
@@ -312,3 +314,26 @@ def test_a_budget_that_chooses_first_k_repairs_only_each_spans_first_tokens(stor
     report = _report(sched, req)["recompute"]
     assert (report["policy"], report["ratio"], report["first_k"]) == ("first_k", 0.0, 16)
     assert "probe_layers" not in report and report["recomputed_tokens"] == len(repair.sinks)
+
+
+def test_a_repair_that_costs_more_than_the_region_it_loads_is_skipped_and_counted(store, tmp_path):
+    """first_k at k = 64 over two 64-token spans recomputes all 128 tokens it loads: vLLM computes them for
+    less, so the request loads nothing and says why (no limit was broken: not a shed). At repair_token_cost
+    0 the operator turns the gate off; at a measured 4.0, a 32-token repair of the same load is skipped too."""
+    sched = _scheduler(store, tmp_path, None)
+    req = _request("c1", ReuseOptions(policy="first_k", first_k=64))
+    loaded, meta = _schedule(sched, [req])
+    assert loaded == [0] and not meta.loads
+    report = _report(sched, req)["recompute"]
+    assert report["policy"] == "full" and report["requested"] == "first_k" and report["recomputed_tokens"] == 0
+    assert report["reason"].startswith("skipped:") and "128 tokens it loads" in report["reason"]
+    counts = sched.counters.take().data
+    assert counts["repair_skips"] == 1 and counts["repair_sheds"] == 0
+    off = _scheduler(store, tmp_path, None, repair_token_cost=0)
+    assert _schedule(off, [_request("c2", ReuseOptions(policy="first_k", first_k=64))])[0] == [128]
+    dear = _scheduler(store, tmp_path, None, repair_token_cost=4.0)
+    assert _schedule(dear, [_request("c3", ReuseOptions(policy="first_k", first_k=16))])[0] == [0]
+    assert _schedule(sched, [_request("c4", ReuseOptions(policy="first_k", first_k=16))])[0] == [128]
+    for bad in (-1, "1", float("nan"), 1000):
+        with pytest.raises(ConfigError, match="repair_token_cost"):
+            ConnectorSettings(disk_dir=tmp_path / "disk", repair_token_cost=bad)
