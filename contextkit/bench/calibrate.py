@@ -62,40 +62,33 @@ FIRST_KS = (16, 32, 48, 64, 96)
 BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
 
 
-def _probes(text: str | None) -> tuple[int, ...]:
+def _listed(name: str, text: str | None, default: tuple, parse, ok, hint: str, *, ordered: bool = False,
+            empty_ok: bool = False) -> tuple:
+    """``--set name=a,b,...``: the values, unique (sorted, or in the order given where ``ordered``), each
+    ``ok``; ``default`` where not set; a ``ConfigError`` that says what to give otherwise."""
     if text is None:
-        return PROBES
+        return default
     try:
-        probes = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+        seen = dict.fromkeys(parse(x) for x in text.split(",") if x.strip())
     except ValueError:
-        probes = ()
-    if not probes or min(probes) < 0:
-        raise ConfigError(f"--set probe_layers={text!r}: give comma-separated layer counts >= 0 (0: all layers)")
-    return probes
+        seen = None
+    if seen is None or (not seen and not empty_ok) or not all(ok(v) for v in seen):
+        raise ConfigError(f"--set {name}={text!r}: give {hint}")
+    return tuple(seen) if ordered else tuple(sorted(seen))
+
+
+def _probes(text: str | None) -> tuple[int, ...]:  # the first depth also measures ratio 0 (no probe)
+    return _listed("probe_layers", text, PROBES, int, lambda d: d >= 0,
+                   "comma-separated layer counts >= 0 (0: all layers)", ordered=True)
 
 
 def _first_ks(text: str | None) -> tuple[int, ...]:
-    if text is None:
-        return FIRST_KS
-    try:
-        ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        ks = (0,)
-    if ks and min(ks) < 1:
-        raise ConfigError(f"--set first_k={text!r}: give comma-separated token counts >= 1 (empty: no first_k series)")
-    return ks
+    return _listed("first_k", text, FIRST_KS, int, lambda k: k >= 1,
+                   "comma-separated token counts >= 1 (empty: no first_k series)", empty_ok=True)
 
 
 def _ratios(text: str | None) -> tuple[float, ...]:
-    if text is None:
-        return RATIOS
-    try:
-        ratios = tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise ConfigError(f"--set ratios={text!r}: give comma-separated numbers in [0, 1]") from None
-    if not ratios or not all(0 <= r <= 1 for r in ratios):
-        raise ConfigError(f"--set ratios={text!r}: give comma-separated numbers in [0, 1]")
-    return ratios
+    return _listed("ratios", text, RATIOS, float, lambda r: 0 <= r <= 1, "comma-separated numbers in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)

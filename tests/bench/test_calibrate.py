@@ -112,3 +112,12 @@ def test_calibrate_without_data_outside_a_checkout_says_to_pass_data(tmp_path, c
     one_line_error(cli("calibrate", "--out", str(tmp_path / "p.json"), cwd=tmp_path, timeout=300),
                    "--data FILE", "multihop_dev.jsonl")
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("setting, hint", [("ratios=0.1,1.5", "numbers in [0, 1]"),
+                                           ("probe_layers=-1", "layer counts >= 0"),
+                                           ("first_k=0,16", "token counts >= 1")])
+def test_calibrate_refuses_a_bad_list_naming_what_to_give(tmp_path, cli, one_line_error, setting, hint):
+    one_line_error(cli("calibrate", "--set", setting, "--out", str(tmp_path / "p.json"), timeout=300),
+                   f"--set {setting.split('=')[0]}=", hint)
+    assert not (tmp_path / "p.json").exists()
