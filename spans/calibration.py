@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -213,6 +213,13 @@ class CalibrationProfile:
             return Choice(ReuseOptions(policy="full"), band.name, 0.0)
         best = min((q for q in ok if q.speedup >= fastest / SPEED_TIE), key=lambda q: (q.bound, -q.speedup))
         return Choice(self.options(best.point), band.name, round(best.bound, 6), best.gate, round(best.speedup, 3))
+
+    def without_first_k(self) -> CalibrationProfile:
+        """This profile less its first_k series (a band left with no point resolves to full prefill): for KV
+        that was not compiled alone, whose span starts are not the sinks first_k repairs (the connector's
+        spans saved in their first request's context)."""
+        bands = tuple(replace(b, points=tuple(p for p in b.points if p.first_k is None)) for b in self.bands)
+        return replace(self, bands=bands)
 
     def options(self, point: Point) -> ReuseOptions:
         """The setting a request runs when ``point`` is chosen: first_k alone with its k, or query_attention

@@ -112,7 +112,8 @@ class ContextKitConnector(KVConnectorBase_V1):
             self.connector_scheduler = ConnectorScheduler(settings=self.settings, geometry=self.geometry,
                                                           store=self.store, pic_loads=self.rope is not None,
                                                           step_tokens=sched.max_num_batched_tokens,
-                                                          profile=_profile(local, self.geometry.dtype),
+                                                          profile=_profile(local, self.geometry.dtype,
+                                                                           self.settings.context_spans),
                                                           repair_refused=refused)
         else:
             repairer = (Repairer(model_dir=self.model_dir, dtype=self.geometry.dtype,
@@ -267,10 +268,14 @@ def _local_model_dir(model: str, *, download_dir: str | None = None, revision: s
     return hf_cached_dir(model, cache_dir=download_dir, revision=revision)
 
 
-def _profile(model_dir: Path | None, dtype: str):
+def _profile(model_dir: Path | None, dtype: str, context_spans: bool = True):
     """The model's calibration profile for ``dtype`` (``contextkit calibrate``), which resolves a repaired
     request's policy="budget"; None (the built-in default) when there is none or it does not fit. A directory
-    without weights files has no trusted digest (``core.models.weights_digest``), so no profile fits it."""
+    without weights files has no trusted digest (``core.models.weights_digest``), so no profile fits it.
+    With ``context_spans`` (the default) most spans load as KV saved in their first request's context, not
+    compiled alone, so the profile's first_k series (calibrated on spans compiled alone: it repairs their
+    starts) is left out: on Qwen2.5-0.5B bf16 through vLLM it ran 1.44x prefix caching at tf 0.918 where the
+    profile's query_attention setting ran 1.77x at 0.914 (docs/benchmarks.md, "first_k through vLLM")."""
     if model_dir is None:
         log.warning("contextkit connector: the model is neither a directory nor in the local Hugging Face cache; "
                     "no calibration profile (recompute policy 'budget' runs the built-in default)")
@@ -279,7 +284,8 @@ def _profile(model_dir: Path | None, dtype: str):
         from contextkit.core.models import weights_digest
         from contextkit.spans.calibration import find_profile
 
-        return find_profile(model_dir, model_digest=weights_digest(model_dir), dtype=dtype)
+        found = find_profile(model_dir, model_digest=weights_digest(model_dir), dtype=dtype)
+        return found.without_first_k() if found is not None and context_spans else found
     except Exception as exc:  # noqa: BLE001 - no profile means the built-in default, said once
         log.warning("contextkit connector: no calibration profile for %s (%s)", model_dir, exc)
         return None

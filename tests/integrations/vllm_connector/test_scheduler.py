@@ -10,6 +10,7 @@ keys the save thread uses, the options and salts the proxy derives (``core.polic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -252,6 +253,15 @@ def test_a_hub_id_is_looked_up_in_its_local_snapshot(tmp_path):
     profile = _calibrated(snap, weights_digest(snap))
     assert _local_model_dir("org/tiny", download_dir=str(cache)) == snap
     assert _profile(_local_model_dir("org/tiny", download_dir=str(cache)), "bfloat16") == profile
+    # the first_k series, calibrated on spans compiled alone, is left out where spans load as KV saved in
+    # their first request's context (the default), kept where every span is compiled alone
+    kept = dataclasses.replace(profile.bands[0].points[0], first_k=32, ratio=0.0, speedup=9.0)
+    both = dataclasses.replace(profile, bands=(dataclasses.replace(profile.bands[0],
+                                                                   points=(*profile.bands[0].points, kept)),))
+    profile_path(snap, "bfloat16").write_text(both.to_json())
+    assert _profile(snap, "bfloat16") == profile and profile.choose(0.1, 170).options.policy == "query_attention"
+    assert _profile(snap, "bfloat16", context_spans=False) == both
+    assert both.choose(0.1, 170).options.policy == "first_k"
     assert _local_model_dir("org/absent", download_dir=str(cache)) is None
     assert _profile(None, "bfloat16") is None
 
