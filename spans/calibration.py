@@ -172,6 +172,10 @@ class CalibrationProfile:
         """The probe depth ``point`` was measured with (0: all layers)."""
         return self.probe_layers if point.probe_layers is None else point.probe_layers
 
+    def probe_depth(self, point: Point) -> int | None:
+        """The probe depth ``point`` runs (0: all layers); None for a first_k point, which runs no probe."""
+        return None if point.first_k is not None else self.depth(point)
+
     def series(self, point: Point) -> tuple[str, int]:
         """The series ``point`` belongs to, whose points differ in one cost knob: query_attention at one
         probe depth (the ratio varies), or first_k alone (k varies; 0 stands for its depth: no probe runs)."""

@@ -30,7 +30,7 @@ import torch
 from contextkit.core.errors import ConfigError, InputError
 from contextkit.core.plan import RequestPlan
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import HANDLE
+from contextkit.core.types import HANDLE, is_handle
 from contextkit.spans.key import span_key
 from contextkit.spans.store import CompiledSpan
 
@@ -152,7 +152,7 @@ class KeptSpans:
 
     def get(self, tenant: Tenant, handle: Any) -> tuple[Kept | None, Read]:
         """The kept answer ``tenant`` named ``handle`` (None and why not)."""
-        if not isinstance(handle, str) or not HANDLE.fullmatch(handle):
+        if not is_handle(handle):
             return None, "malformed"
         key = (tenant.name, handle)
         with self._lock:

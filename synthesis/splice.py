@@ -25,7 +25,7 @@ from typing import Any
 from contextkit.core.errors import InputError
 from contextkit.core.plan import PlanItem, RequestPlan
 from contextkit.core.tenant import Tenant
-from contextkit.core.types import Span
+from contextkit.core.types import Span, handle_name
 from contextkit.spans.compile import rotate_layers
 from contextkit.spans.key import token_digest
 from contextkit.spans.store import CompiledSpan
@@ -89,7 +89,7 @@ def _look_up(plan: RequestPlan, handles: Sequence[Any], store: KeptSpans,
     reads: list[HandleRead] = []
     found: dict[str, Kept] = {}
     for h in handles:
-        name = h if isinstance(h, str) else repr(h)[:40]
+        name = handle_name(h)
         if name in found or any(r.handle == name for r in reads):
             reads.append(HandleRead(name, "repeated"))
             continue

@@ -243,7 +243,7 @@ def _base(path: str | None, want: CalibrationProfile) -> CalibrationProfile | No
 
 def _rows(profile: CalibrationProfile) -> list[dict[str, Any]]:
     return [{"band": b.name, "context_tokens": b.context_tokens, "policy": profile.options(p).policy,
-             "probe_layers": None if p.first_k is not None else profile.depth(p), "ratio": p.ratio,
+             "probe_layers": profile.probe_depth(p), "ratio": p.ratio,
              "first_k": p.first_k,
              "answer_kl_p50": round(median(p.answer_kl), 4), "answer_kl_p90": round(percentile(p.answer_kl, 90), 4),
              "answer_kl_bound": round(upper_bound(p.answer_kl, profile.quantile), 4),  # what choose() compares

@@ -67,7 +67,7 @@ def retime(ctx: BenchContext, tick: Tick, source: Path) -> BenchResult:
     out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
     out.write_text(new.to_json())
     rows: list[dict[str, Any]] = [
-        {"band": b.name, "probe_layers": None if p.first_k is not None else old.depth(p), "ratio": p.ratio,
+        {"band": b.name, "probe_layers": old.probe_depth(p), "ratio": p.ratio,
          "first_k": p.first_k, "speedup_before": p.speedup,
          "speedup_here": q.speedup}
         for ob, b in zip(old.bands, new.bands) for p, q in zip(ob.points, b.points)]

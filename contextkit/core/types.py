@@ -14,6 +14,16 @@ from contextkit.core.errors import EmptyInputError
 HANDLE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
+def is_handle(value: object) -> bool:
+    """Whether a named handle can be one (a string ``HANDLE`` matches); else it is read ``malformed``."""
+    return isinstance(value, str) and HANDLE.fullmatch(value) is not None
+
+
+def handle_name(value: object) -> str:
+    """How a named handle is reported back: itself, or a non-string's repr, cut to 40 characters."""
+    return value if isinstance(value, str) else repr(value)[:40]
+
+
 @dataclass(frozen=True, slots=True)
 class Evidence:
     """One retrieved document: what a retriever hands to contextkit. ``id`` and ``title`` are keyword-only

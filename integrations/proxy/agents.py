@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from contextkit.core.types import HANDLE
+from contextkit.core.types import handle_name, is_handle
 from contextkit.integrations.edge.parse import named_handles
 from contextkit.integrations.edge.shapes import ChatBody
 
@@ -29,11 +29,11 @@ def agents_report(chat: ChatBody) -> dict[str, Any]:
     if handles:
         reads: list[dict[str, Any]] = []
         for h in handles if not isinstance(handles, str) else ():  # "auto": none kept here, none found
-            name = h if isinstance(h, str) else repr(h)[:40]
+            name = handle_name(h)
             if any(r["handle"] == name for r in reads):
                 read = "repeated"
             else:
-                read = "unknown" if isinstance(h, str) and HANDLE.fullmatch(h) else "malformed"
+                read = "unknown" if is_handle(h) else "malformed"
             reads.append({"handle": name, "read": read, "tokens": 0, "read_tokens": 0})
         out["handles"] = reads
     if chat.contextkit is not None and chat.contextkit.keep:
