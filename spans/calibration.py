@@ -1,8 +1,12 @@
 """A model's calibration profile: what each recompute setting did to answers, per prompt-length band.
 
 ``contextkit calibrate`` (``contextkit.bench.calibrate``) runs the tune half of a QA file through the
-span cache at several settings in series: query_attention ratios at one or more probe depths, and first_k
-alone (EPIC's LegoLink: the first k tokens of each reused span recomputed, no probe) at several k. Per
+span cache at several settings in series: query_attention ratios at one or more probe depths, first_k
+alone (EPIC's LegoLink: the first k tokens of each reused span recomputed, no probe) at several k, and
+kv_deviation ratios (CacheBlend's selection at its check layer). A profile is for one KV source
+(``KV_SOURCES``): spans compiled alone (the built-in engine's store; the default) or spans saved out of an
+earlier request's context, where they sat in another order (what vLLM's connector loads with
+``context_spans``): what a setting does depends on the stale KV it repairs. Per
 prompt it measures the answer KL over the whole teacher-forced answer against full prefill in the same
 dtype (``contextkit.spans.fidelity``). The profile keeps those per-prompt numbers, keyed by the model's
 weights digest and dtype, and answers one question at request time (``choose``): for a prompt of this
@@ -39,7 +43,7 @@ Qwen2.5-0.5B: docs/benchmarks.md, "Catching the tail per request".)
 When none qualifies the request is a full prefill (exact). A profile made for other weights or another
 dtype is refused (``CalibrationError``), never used; so is one whose values are out of range (a ratio above
 1, a negative probe depth, an answer KL that is not a finite number >= 0, ...): the file is checked field by
-field when it is read (``_ProfileFile``), since vLLM's connector resolves a budget with it inside vLLM's
+field when it is read (``spans/profile_file.py``), since vLLM's connector resolves a budget with it inside vLLM's
 scheduler, where a bad value raising would stop the engine for every tenant.
 """
 
@@ -51,13 +55,18 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from contextkit.core.config import machine_class
 from contextkit.core.errors import CalibrationError
 from contextkit.core.policy import ReuseOptions
 
 FORMAT = "contextkit-calibration-v1"
+# Where a profile's reused KV came from. "compiled": each span computed alone from position 0 (the built-in
+# engine's span store). "context": each span cut out of an earlier request that held the same passages in
+# another order (vLLM's connector with context_spans: spans saved from their first request's context).
+KV_SOURCES = ("compiled", "context")
+# A calibrated setting's policy: query_attention (a probe depth's ratios), first_k alone (its k), or
+# kv_deviation (its ratios, ranked at the options' check layer)
+POINT_POLICIES = ("query_attention", "first_k", "kv_deviation")
 # Speedups within this factor of the fastest qualifying setting's are not told apart: a median of 24
 # prompts on a shared CPU moves by a few percent between runs (at budget 0.05 on the tune half, 2026-12-05,
 # r=0.5 measured 1.498x with the 8-layer probe and 1.485x with the all-layer one, whose bound is 0.023
@@ -66,9 +75,16 @@ SPEED_TIE = 1.05
 log = logging.getLogger(__name__)
 
 
-def profile_path(model_dir: Path | str, dtype: str) -> Path:
-    """Where ``contextkit calibrate`` writes a model's profile for ``dtype``: beside its weights."""
-    return Path(model_dir) / f"contextkit-calibration-{dtype}.json"
+def _source_suffix(kv_source: str) -> str:
+    if kv_source not in KV_SOURCES:
+        raise CalibrationError(f"unknown KV source {kv_source!r}; one of {', '.join(KV_SOURCES)}")
+    return "" if kv_source == "compiled" else f"-{kv_source}"
+
+
+def profile_path(model_dir: Path | str, dtype: str, kv_source: str = "compiled") -> Path:
+    """Where ``contextkit calibrate`` writes a model's profile for ``dtype`` and ``kv_source``: beside its
+    weights (``contextkit-calibration-bfloat16.json``; ``...-bfloat16-context.json`` for context KV)."""
+    return Path(model_dir) / f"contextkit-calibration-{dtype}{_source_suffix(kv_source)}.json"
 
 
 def minimum_prompts(q: float) -> int:
@@ -102,9 +118,15 @@ class Point:
     # per prompt: how far this setting's recompute moved the keys it recomputed (``ReuseReport.
     # recompute_shift``), the tail gate's signal; empty where the profile predates it
     shift: tuple[float, ...] = ()
-    # None: query_attention at ``ratio`` with the profile's sinks; k: policy "first_k" (EPIC's LegoLink):
-    # the first k tokens of each reused span recomputed in context and nothing else (ratio 0, no probe)
+    # None: query_attention or kv_deviation at ``ratio`` with the profile's sinks; k: policy "first_k" (EPIC's
+    # LegoLink): the first k tokens of each reused span recomputed in context and nothing else (ratio 0)
     first_k: int | None = None
+    policy: str = "query_attention"  # one of POINT_POLICIES ("first_k" exactly when ``first_k`` is set)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POINT_POLICIES or (self.first_k is not None) != (self.policy == "first_k"):
+            raise CalibrationError(f"a calibration point of policy {self.policy!r} with first_k={self.first_k}: "
+                                   f"the policy is one of {', '.join(POINT_POLICIES)}, and first_k's alone has a k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +179,12 @@ class CalibrationProfile:
     # where the speedups were measured (``core.config.machine_class``; "": not recorded): fidelity is the
     # model's and dtype's, the speed order of settings the machine's
     machine: str = ""
+    kv_source: str = "compiled"  # the reused KV it was measured on (KV_SOURCES)
 
     @property
     def id(self) -> str:
-        """Short, for reports: the digest's head and the dtype."""
-        return f"{self.model_digest[:12]}-{self.dtype}"
+        """Short, for reports: the digest's head, the dtype, and the KV source unless "compiled"."""
+        return f"{self.model_digest[:12]}-{self.dtype}{_source_suffix(self.kv_source)}"
 
     def band_for(self, context_tokens: int) -> Band:
         """The band whose calibration prompts are nearest in length (log scale)."""
@@ -173,13 +196,14 @@ class CalibrationProfile:
         return self.probe_layers if point.probe_layers is None else point.probe_layers
 
     def probe_depth(self, point: Point) -> int | None:
-        """The probe depth ``point`` runs (0: all layers); None for a first_k point, which runs no probe."""
-        return None if point.first_k is not None else self.depth(point)
+        """The probe depth ``point`` runs (0: all layers); None for first_k and kv_deviation, which run none."""
+        return self.depth(point) if point.policy == "query_attention" else None
 
     def series(self, point: Point) -> tuple[str, int]:
         """The series ``point`` belongs to, whose points differ in one cost knob: query_attention at one
-        probe depth (the ratio varies), or first_k alone (k varies; 0 stands for its depth: no probe runs)."""
-        return ("first_k", 0) if point.first_k is not None else ("query_attention", self.depth(point))
+        probe depth (the ratio varies), first_k alone (k varies) or kv_deviation (the ratio varies); 0 stands
+        for the depth of a series that runs no probe."""
+        return (point.policy, self.probe_depth(point) or 0)
 
     def qualifying(self, budget: float, band: Band) -> list[Qualified]:
         """The settings of ``band`` that hold ``budget``: a point whose answer KL bound (``upper_bound`` at
@@ -227,11 +251,11 @@ class CalibrationProfile:
 
     def options(self, point: Point) -> ReuseOptions:
         """The setting a request runs when ``point`` is chosen: first_k alone with its k, or query_attention
-        at its ratio and depth (uncapped, with the profile's sinks)."""
+        at its ratio and depth, or kv_deviation at its ratio (uncapped, with the profile's sinks)."""
         if point.first_k is not None:
             return ReuseOptions(policy="first_k", ratio=0.0, max_recompute=None, first_k=point.first_k,
                                 probe_layers=self.probe_layers)
-        return ReuseOptions(policy="query_attention", ratio=point.ratio, max_recompute=None, first_k=self.first_k,
+        return ReuseOptions(policy=point.policy, ratio=point.ratio, max_recompute=None, first_k=self.first_k,
                             probe_layers=self.depth(point))
 
     def to_json(self) -> str:
@@ -246,16 +270,15 @@ class CalibrationProfile:
             raise CalibrationError(f"{source} cannot be read ({exc}); run `contextkit calibrate` again") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CalibrationError(f"{source} is not a {FORMAT} file; make one with `contextkit calibrate`")
-        try:
-            checked = _ProfileFile.model_validate({k: v for k, v in raw.items() if k != "format"})
-        except ValidationError as exc:
-            raise CalibrationError(f"{source} is not a valid calibration profile: {_first_error(exc)}; run "
-                                   "`contextkit calibrate` again") from None
-        return checked.profile()
+        from contextkit.spans.profile_file import checked_profile  # the file's schema, which builds this class
+
+        return checked_profile({k: v for k, v in raw.items() if k != "format"}, source)
 
     @classmethod
-    def load(cls, path: Path | str, *, model_digest: str, dtype: str) -> CalibrationProfile:
-        """Read a profile and refuse it unless it was made for these weights and this dtype."""
+    def load(cls, path: Path | str, *, model_digest: str, dtype: str, kv_source: str | None = None
+             ) -> CalibrationProfile:
+        """Read a profile and refuse it unless it was made for these weights and this dtype (and, where
+        ``kv_source`` is given, on that KV source)."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -275,6 +298,10 @@ class CalibrationProfile:
             raise CalibrationError(
                 f"calibration profile {path} was made for {profile.dtype}, this engine runs {dtype}: it is not "
                 f"used; run `contextkit calibrate --dtype {dtype}`")
+        if kv_source is not None and profile.kv_source != kv_source:
+            raise CalibrationError(
+                f"calibration profile {path} was measured on {profile.kv_source} span KV, this path reuses "
+                f"{kv_source} KV: it is not used; run `contextkit calibrate --set kv_source={kv_source}`")
         here = machine_class()
         if profile.machine and profile.machine != here:
             log.warning("calibration profile %s measured its speedups on %s, this machine is %s: its fidelity "
@@ -283,96 +310,28 @@ class CalibrationProfile:
         return profile
 
 
-class _Checked(BaseModel):
-    # strict: a number must be a JSON number (no "0.5", no true), an int an integer; no NaN or infinity
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-
-class _PointFile(_Checked):
-    ratio: float = Field(ge=0.0, le=1.0)
-    answer_kl: list[float] = Field(min_length=1)
-    tf_agreement: list[float] = Field(min_length=1)
-    speedup: float = Field(gt=0.0)
-    probe_layers: int | None = Field(default=None, ge=0)
-    shift: list[float] = Field(default_factory=list)
-    first_k: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _per_prompt(self) -> _PointFile:
-        if self.first_k is not None and (self.ratio != 0 or self.probe_layers is not None):
-            raise ValueError("a first_k point recomputes only its sinks: its ratio is 0 and it has no probe_layers")
-        if any(k < 0 for k in self.answer_kl):
-            raise ValueError("answer_kl holds a negative KL")
-        if any(not 0.0 <= a <= 1.0 for a in self.tf_agreement):
-            raise ValueError("tf_agreement holds a value outside [0, 1]")
-        if len(self.tf_agreement) != len(self.answer_kl):
-            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.tf_agreement)} tf_agreement")
-        if self.shift and len(self.shift) != len(self.answer_kl):
-            raise ValueError(f"{len(self.answer_kl)} answer_kl values but {len(self.shift)} shift")
-        if any(d < 0 for d in self.shift):
-            raise ValueError("shift holds a negative value")
-        return self
-
-
-class _BandFile(_Checked):
-    name: str = Field(min_length=1)
-    context_tokens: int = Field(ge=1)
-    points: list[_PointFile] = Field(min_length=1)
-
-
-class _ProfileFile(_Checked):
-    """The profile file's schema, checked field by field (ranges, types) before anything uses it."""
-
-    model_digest: str = Field(min_length=1)
-    dtype: str = Field(min_length=1)
-    quantile: float = Field(gt=0.0, lt=1.0)
-    answer_tokens: int = Field(ge=1)
-    data: str
-    bands: list[_BandFile] = Field(min_length=1)
-    first_k: int = Field(default=2, ge=0)
-    probe_layers: int = Field(default=8, ge=0)
-    machine: str = ""
-
-    def profile(self) -> CalibrationProfile:
-        bands = tuple(Band(b.name, b.context_tokens, tuple(
-            Point(p.ratio, tuple(p.answer_kl), tuple(p.tf_agreement), p.speedup, p.probe_layers, tuple(p.shift),
-                  p.first_k)
-            for p in b.points))
-            for b in self.bands)
-        return CalibrationProfile(self.model_digest, self.dtype, self.quantile, self.answer_tokens, self.data, bands,
-                                  self.first_k, self.probe_layers, self.machine)
-
-
-def _first_error(exc: ValidationError) -> str:
-    """``bands[0].points[2].ratio: Input should be less than or equal to 1 (got 1.5)``: where and what."""
-    err = exc.errors()[0]
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in err["loc"]).lstrip(".")
-    got = "" if err["type"] in ("missing", "value_error") else f" (got {err['input']!r:.60})"
-    return f"{where or 'the file'}: {err['msg']}{got}"
-
-
 PACKAGED = Path(__file__).resolve().parent / "profiles"  # shipped profiles, named by ``CalibrationProfile.id``
 
 
-def packaged_profile(model_digest: str, dtype: str) -> Path:
-    """Where a profile shipped with contextkit for these weights and dtype would be (``spans/profiles``:
-    made by the command in docs/benchmarks.md, "Shipped calibration profiles")."""
-    return PACKAGED / f"{model_digest[:12]}-{dtype}.json"
+def packaged_profile(model_digest: str, dtype: str, kv_source: str = "compiled") -> Path:
+    """Where a profile shipped with contextkit for these weights, dtype and KV source would be
+    (``spans/profiles``: made by the commands in docs/benchmarks.md, "Shipped calibration profiles")."""
+    return PACKAGED / f"{model_digest[:12]}-{dtype}{_source_suffix(kv_source)}.json"
 
 
-def find_profile(model_dir: Path | str, *, model_digest: str, dtype: str,
-                 explicit: Path | None = None) -> CalibrationProfile | None:
-    """The profile for an engine: ``explicit`` (refused with ``CalibrationError`` when it does not fit),
-    else the one beside the model for ``dtype`` (``contextkit calibrate`` writes it there), else the one
-    shipped with contextkit for these weights and dtype (a found one that does not fit is ignored with a
-    warning), else None."""
+def find_profile(model_dir: Path | str, *, model_digest: str, dtype: str, explicit: Path | None = None,
+                 kv_source: str = "compiled") -> CalibrationProfile | None:
+    """The profile for an engine reusing ``kv_source`` KV: ``explicit`` (refused with ``CalibrationError``
+    when it does not fit), else the one beside the model for ``dtype`` and ``kv_source`` (``contextkit
+    calibrate`` writes it there), else the one shipped with contextkit for these weights, dtype and source
+    (a found one that does not fit is ignored with a warning), else None."""
     if explicit is not None:
-        return CalibrationProfile.load(explicit, model_digest=model_digest, dtype=dtype)
-    for path in (profile_path(model_dir, dtype), packaged_profile(model_digest, dtype)):
+        return CalibrationProfile.load(explicit, model_digest=model_digest, dtype=dtype, kv_source=kv_source)
+    for path in (profile_path(model_dir, dtype, kv_source), packaged_profile(model_digest, dtype, kv_source)):
         if not path.is_file():
             continue
         try:
-            return CalibrationProfile.load(path, model_digest=model_digest, dtype=dtype)
+            return CalibrationProfile.load(path, model_digest=model_digest, dtype=dtype, kv_source=kv_source)
         except CalibrationError as exc:
             log.warning("%s", exc)
     return None

@@ -86,6 +86,25 @@ def compile_span(
     return dataclasses.replace(entry, compile_ms=(time.perf_counter() - t0) * 1e3)
 
 
+def cut_from_context(
+    engine: KVEngine, identity: ModelIdentity, spans: Sequence[Span], rerotator: Rerotator, tenant: Tenant | str = ""
+) -> list[CompiledSpan]:
+    """``spans`` computed in one context, in this order from position 0 (each after those before it), then
+    each cut out position-free under its own key: the KV a request that held them leaves behind, which
+    vLLM's connector saves for its spans (``context_spans``) and loads wherever they recur. Unlike a span
+    compiled alone, each one's KV has seen the spans before it there."""
+    n = sum(len(s.token_ids) for s in spans)
+    cache = engine.new_cache(n)
+    engine.forward(cache, [t for s in spans for t in s.token_ids], positions=torch.arange(n), logits="none")
+    out, at = [], 0
+    for s in spans:
+        m = len(s.token_ids)
+        key = span_key(identity, s.token_ids, (), tenant)
+        out.append(cut_span(engine, cache, key, s.token_ids, torch.arange(at, at + m), rerotator))
+        at += m
+    return out
+
+
 def cut_span(
     engine: KVEngine, cache: KVCache, key: SpanKey, token_ids: Sequence[int], slots: torch.Tensor, rerotator: Rerotator
 ) -> CompiledSpan:

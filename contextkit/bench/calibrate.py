@@ -8,7 +8,8 @@ answer_tokens=32``) are the reference; then for each query_attention ratio (``--
 ratios=0,0.05,0.1,0.2,0.3,0.5,0.7``, uncapped, with the library's first-k sinks) and each probe depth (``--set
 probe_layers=8,0``: through the first 8 layers, and through all), and for first_k alone at each k (``--set
 first_k=16,32,48,64,96``: EPIC's LegoLink, the first k tokens of each reused span recomputed, no probe; ``--set
-first_k=`` for none), the assembled KV's answer KL and teacher-forced agreement over that answer
+first_k=`` for none), and for kv_deviation at each ratio (``--set kv_deviation=0.1,0.2,0.3``: CacheBlend's
+selection), the assembled KV's answer KL and teacher-forced agreement over that answer
 (``spans.fidelity``), and its TTFT. A budget chooses the fastest setting within it (``CalibrationProfile.choose``),
 so a deeper probe is taken where it reaches the budget at a ratio low enough to pay for itself, and first_k where it
 reaches the budget faster than any probe. The profile keeps the per-prompt numbers; a budget is later held to their
@@ -19,6 +20,14 @@ keeping its fidelity (``bench.calibrate_speeds``). ``--set add_to=PROFILE`` adds
 profile of the same weights, dtype, settings and machine class (a band of the same name is replaced): a new band
 without measuring the others again. Written beside the model (``contextkit-calibration-<dtype>.json``) or to ``--set
 out=PATH``.
+
+``--set kv_source=``: the reused KV measured. ``compiled`` (the default): each passage compiled alone, as the
+built-in engine's span store holds it. ``context``: each passage cut out of a prefill of the same prompt with
+its passages in reverse order (``spans.compile.cut_from_context``), as vLLM's connector saves spans out of the
+first request that held them and loads them into the next (``context_spans``); its profile is
+``contextkit-calibration-<dtype>-context.json``, the one the connector resolves budgets with. Its default
+series are query_attention's ratios and kv_deviation's (no first_k: those spans' starts are not the
+sinks it repairs); compiled's: query_attention's and first_k's.
 
 Rows: one per band and setting (probe depth and ratio, or first_k's k; answer KL p50/p90 and ``answer_kl_bound``,
 the bound a budget is held to; tf_agreement; speedup vs full prefill in the same run); summary: per band, the
@@ -51,14 +60,25 @@ from contextkit.core.policy import ReuseOptions
 from contextkit.core.tokenizer import Tokenizer
 from contextkit.engine.model import Engine
 from contextkit.spans.assemble import SpanCache
-from contextkit.spans.calibration import Band, CalibrationProfile, Point, minimum_prompts, profile_path, upper_bound
+from contextkit.spans.calibration import (
+    KV_SOURCES,
+    Band,
+    CalibrationProfile,
+    Point,
+    minimum_prompts,
+    profile_path,
+    upper_bound,
+)
+from contextkit.spans.compile import cut_from_context
 from contextkit.spans.fidelity import compare, reference_answer
+from contextkit.spans.store import CompiledSpan
 
 RATIOS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 PROBES = (8, 0)  # probe depths: the first 8 layers (ReuseOptions' default), and all (0)
 # first_k alone (LegoLink): on Qwen2.5-0.5B bf16 at 1.5k (tune half, 2026-12-06) k=32 reached r=0.2's answer
 # KL p90 at 3.5x instead of 3.0x and k=64 r=0.3's speed at a lower KL (docs/benchmarks.md, "Per-span first-k")
 FIRST_KS = (16, 32, 48, 64, 96)
+DEVIATIONS = (0.1, 0.2, 0.3, 0.5)  # kv_deviation's ratios (the context source's default series)
 BUDGETS = (0.02, 0.05, 0.1)  # the budgets the summary shows choices for (bench spans measures the same)
 
 
@@ -91,25 +111,57 @@ def _ratios(text: str | None) -> tuple[float, ...]:
     return _listed("ratios", text, RATIOS, float, lambda r: 0 <= r <= 1, "comma-separated numbers in [0, 1]")
 
 
+def _deviations(text: str | None, kv_source: str) -> tuple[float, ...]:
+    return _listed("kv_deviation", text, DEVIATIONS if kv_source == "context" else (), float, lambda r: 0 < r <= 1,
+                   "comma-separated ratios in (0, 1] (empty: no kv_deviation series)", empty_ok=True)
+
+
+def _source(text: str | None) -> str:
+    if text is None or text in KV_SOURCES:
+        return text or "compiled"
+    raise ConfigError(f"--set kv_source={text!r}: give one of {', '.join(KV_SOURCES)}")
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One setting calibrate measures: query_attention at ``ratio`` through ``probe_layers`` layers, or, with
-    ``first_k``, first_k alone (``Point.first_k``)."""
+    """One setting calibrate measures: query_attention at ``ratio`` through ``probe_layers`` layers; with
+    ``first_k``, first_k alone (``Point.first_k``); or kv_deviation at ``ratio`` (``policy``)."""
 
     probe_layers: int | None
     ratio: float
     first_k: int | None = None
+    policy: str = "query_attention"
 
     def point(self, answer_kl: tuple[float, ...] = (), tf_agreement: tuple[float, ...] = (), speedup: float = 1.0,
               shift: tuple[float, ...] = ()) -> Point:
-        return Point(self.ratio, answer_kl, tf_agreement, speedup, self.probe_layers, shift, self.first_k)
+        return Point(self.ratio, answer_kl, tf_agreement, speedup, self.probe_layers, shift, self.first_k,
+                     self.policy)
 
 
-def _settings(probes: tuple[int, ...], ratios: tuple[float, ...], ks: tuple[int, ...]) -> tuple[Setting, ...]:
+def _settings(probes: tuple[int, ...], ratios: tuple[float, ...], ks: tuple[int, ...],
+              deviations: tuple[float, ...] = ()) -> tuple[Setting, ...]:
     """Every query_attention (depth, ratio), ratio 0 once (it runs no probe: under the first depth), then
-    first_k at each k."""
+    first_k at each k, then kv_deviation at each ratio."""
     qa = tuple(Setting(d, r) for d in probes for r in ratios if r > 0 or d == probes[0])
-    return qa + tuple(Setting(None, 0.0, k) for k in ks)
+    return (qa + tuple(Setting(None, 0.0, k, "first_k") for k in ks)
+            + tuple(Setting(None, r, None, "kv_deviation") for r in deviations))
+
+
+def span_kv(cache: SpanCache, plan: RequestPlan, kv_source: str) -> dict[int, CompiledSpan]:
+    """The reused KV a question is measured with, as ``SpanCache.assemble``'s ``provided``: none for
+    "compiled" (its spans compiled alone into the store now, where the assembly finds them), else each
+    passage cut from a prefill of the prompt with its passages in reverse order (the rest in place)."""
+    items = plan.items[:-1]
+    if kv_source == "compiled":
+        for it in items:
+            cache.compiled(it.span)
+        return {}
+    docs = [i for i, it in enumerate(items) if it.span.kind == "document"]
+    order = list(range(len(items)))
+    for at, i in zip(docs, reversed(docs)):
+        order[at] = i
+    cut = cut_from_context(cache.engine, cache.identity, [items[i].span for i in order], cache.rerotator)
+    return {i: kv for i, kv in zip(order, cut) if items[i].reuse}
 
 
 Measured = tuple[float, float, float, float | None]  # answer KL, tf_agreement, TTFT, the recompute's key shift
@@ -118,9 +170,8 @@ Measured = tuple[float, float, float, float | None]  # answer KL, tf_agreement, 
 def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, shell: CalibrationProfile,
               settings: tuple[Setting, ...], answer_tokens: int) -> tuple[float, dict[Setting, Measured]]:
     """One question: full prefill's TTFT, and per setting (answer KL, tf_agreement, TTFT, the recompute's
-    key shift: the tail gate's signal) against it."""
-    for it in plan.items[:-1]:
-        cache.compiled(it.span)
+    key shift: the tail gate's signal) against it, on the profile's KV source."""
+    provided = span_kv(cache, plan, shell.kv_source)
     engine = cache.engine
     t0 = time.perf_counter()
     full = cache.assemble(dataclasses.replace(plan, options=ReuseOptions(policy="full")),
@@ -132,7 +183,8 @@ def _question(cache: SpanCache, tok: Tokenizer, plan: RequestPlan, shell: Calibr
     for s in settings:
         opts = shell.options(s.point())  # what a request runs when the profile chooses this setting
         t0 = time.perf_counter()
-        asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1)
+        asm = cache.assemble(dataclasses.replace(plan, options=opts), extra_capacity=len(ref.targets) + 1,
+                             provided=provided)
         ms = (time.perf_counter() - t0) * 1e3
         f = compare(ref, engine, asm.cache, asm.logits)
         out[s] = (f.answer_kl, f.tf_agreement, ms, asm.report.recompute_shift)
@@ -170,8 +222,10 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     bands = parse_bands(ctx.option("bands", "0.25k,1.5k,3k,4k"))
     ratios = _ratios(ctx.option("ratios", None))
     probes = _probes(ctx.option("probe_layers", None))
-    ks = _first_ks(ctx.option("first_k", None))
-    settings = _settings(probes, ratios, ks)
+    kv_source = _source(ctx.option("kv_source", None))
+    ks = _first_ks(ctx.option("first_k", None) if kv_source == "compiled" else ctx.option("first_k", ""))
+    deviations = _deviations(ctx.option("kv_deviation", None), kv_source)
+    settings = _settings(probes, ratios, ks, deviations)
     answer_tokens = ctx.option("answer_tokens", 32, int)
     q = ctx.option("quantile", 0.9, float)
     if not 0 < q < 1 or answer_tokens < 1:
@@ -202,15 +256,17 @@ def run(ctx: BenchContext, tick: Tick) -> BenchResult:
     shell = CalibrationProfile(
         model_digest=engine.fingerprint.digest, dtype=dtype, quantile=q, answer_tokens=answer_tokens,
         data=f"{ctx.data or SHARED_MULTIHOP.name} ({part}, n={n} per band, seed {ctx.seed})", bands=(),
-        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class())
+        first_k=ReuseOptions().first_k, probe_layers=ReuseOptions().probe_layers, machine=machine_class(),
+        kv_source=kv_source)
     base = _base(ctx.option("add_to", None), shell)
     tick(total=sum(len(c) for c in work.values()))
     fitted = tuple(_band(b, c, cache, tok, shell, settings, answer_tokens, tick) for b, c in work.items())
     profile = _merged(base, dataclasses.replace(shell, bands=fitted))
-    out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
+    out = Path(ctx.option("out", str(profile_path(model_dir, dtype, kv_source))))
     out.write_text(profile.to_json())
     return BenchResult("calibrate", {"model": ctx.config.model, "dtype": dtype, "split": part, "n": n,
-                                     "ratios": ratios, "probe_layers": probes, "first_k": ks, "quantile": q,
+                                     "kv_source": kv_source, "ratios": ratios, "probe_layers": probes,
+                                     "first_k": ks, "kv_deviation": deviations, "quantile": q,
                                      "answer_tokens": answer_tokens, "profile": str(out)},
                        _rows(profile), _summary(profile, n))
 
@@ -233,7 +289,7 @@ def _base(path: str | None, want: CalibrationProfile) -> CalibrationProfile | No
     if path is None:
         return None
     old = CalibrationProfile.load(path, model_digest=want.model_digest, dtype=want.dtype)
-    fields = ("quantile", "answer_tokens", "first_k", "probe_layers", "machine")
+    fields = ("quantile", "answer_tokens", "first_k", "probe_layers", "machine", "kv_source")
     differ = [f"{f} {getattr(old, f)!r} vs {getattr(want, f)!r}" for f in fields if getattr(old, f) != getattr(want, f)]
     if differ:
         raise ConfigError(f"--set add_to={path}: that profile was measured otherwise ({'; '.join(differ)}); "

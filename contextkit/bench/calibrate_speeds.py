@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from contextkit.bench.bands import choose_questions
+from contextkit.bench.calibrate import span_kv
 from contextkit.bench.data import load_records, shared_half, split
 from contextkit.bench.harness import BenchContext, BenchResult, Tick, median, time_ms
 from contextkit.core.config import machine_class
@@ -29,8 +30,9 @@ from contextkit.spans.assemble import SpanCache
 from contextkit.spans.calibration import Band, CalibrationProfile, profile_path
 
 
-def _timed(cache: SpanCache, plan: RequestPlan, options: ReuseOptions) -> float:
-    return time_ms(lambda: cache.assemble(dataclasses.replace(plan, options=options), extra_capacity=1), 1)[0]
+def _timed(cache: SpanCache, plan: RequestPlan, options: ReuseOptions, provided: dict) -> float:
+    return time_ms(lambda: cache.assemble(dataclasses.replace(plan, options=options), extra_capacity=1,
+                                          provided=provided), 1)[0]
 
 
 def _band(profile: CalibrationProfile, band: Band, chosen: list, cache: SpanCache, tick: Tick) -> Band:
@@ -38,11 +40,10 @@ def _band(profile: CalibrationProfile, band: Band, chosen: list, cache: SpanCach
     ms: dict[int, list[float]] = {i: [] for i in range(len(band.points))}
     for qi, (_, plan) in enumerate(chosen):
         tick(f"{band.name} q{qi}")
-        for it in plan.items[:-1]:  # compiled ahead, as calibrate does
-            cache.compiled(it.span)
-        full_ms.append(_timed(cache, plan, ReuseOptions(policy="full")))
+        provided = span_kv(cache, plan, profile.kv_source)  # the profile's KV source, ahead, as calibrate does
+        full_ms.append(_timed(cache, plan, ReuseOptions(policy="full"), {}))
         for i, point in enumerate(band.points):
-            ms[i].append(_timed(cache, plan, profile.options(point)))
+            ms[i].append(_timed(cache, plan, profile.options(point), provided))
     full = median(full_ms)
     points = tuple(dataclasses.replace(p, speedup=round(full / median(ms[i]), 3)) for i, p in enumerate(band.points))
     return dataclasses.replace(band, points=points)
@@ -64,7 +65,7 @@ def retime(ctx: BenchContext, tick: Tick, source: Path) -> BenchResult:
     tick(total=sum(len(c) for c in work.values()))
     bands = tuple(_band(old, b, work[b.name], cache, tick) if work[b.name] else b for b in old.bands)
     new = dataclasses.replace(old, bands=bands, machine=machine_class())
-    out = Path(ctx.option("out", str(profile_path(model_dir, dtype))))
+    out = Path(ctx.option("out", str(profile_path(model_dir, dtype, old.kv_source))))
     out.write_text(new.to_json())
     rows: list[dict[str, Any]] = [
         {"band": b.name, "probe_layers": old.probe_depth(p), "ratio": p.ratio,

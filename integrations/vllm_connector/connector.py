@@ -272,10 +272,11 @@ def _profile(model_dir: Path | None, dtype: str, context_spans: bool = True):
     """The model's calibration profile for ``dtype`` (``contextkit calibrate``), which resolves a repaired
     request's policy="budget"; None (the built-in default) when there is none or it does not fit. A directory
     without weights files has no trusted digest (``core.models.weights_digest``), so no profile fits it.
-    With ``context_spans`` (the default) most spans load as KV saved in their first request's context, not
-    compiled alone, so the profile's first_k series (calibrated on spans compiled alone: it repairs their
-    starts) is left out: on Qwen2.5-0.5B bf16 through vLLM it ran 1.44x prefix caching at tf 0.918 where the
-    profile's query_attention setting ran 1.77x at 0.914 (docs/benchmarks.md, "first_k through vLLM")."""
+    With ``context_spans`` (the default) most spans load as KV saved in their first request's context: the
+    profile calibrated on that source (``calibrate --set kv_source=context``) is the one that measured them.
+    Without one, the profile of spans compiled alone stands in, less its first_k series (it repairs the
+    starts of spans compiled alone: on Qwen2.5-0.5B bf16 through vLLM it ran 1.44x prefix caching at tf 0.918
+    where the query_attention setting ran 1.77x at 0.914; docs/benchmarks.md, "first_k through vLLM")."""
     if model_dir is None:
         log.warning("contextkit connector: the model is neither a directory nor in the local Hugging Face cache; "
                     "no calibration profile (recompute policy 'budget' runs the built-in default)")
@@ -284,7 +285,10 @@ def _profile(model_dir: Path | None, dtype: str, context_spans: bool = True):
         from contextkit.core.models import weights_digest
         from contextkit.spans.calibration import find_profile
 
-        found = find_profile(model_dir, model_digest=weights_digest(model_dir), dtype=dtype)
+        digest = weights_digest(model_dir)
+        if context_spans and (own := find_profile(model_dir, model_digest=digest, dtype=dtype, kv_source="context")):
+            return own
+        found = find_profile(model_dir, model_digest=digest, dtype=dtype)
         return found.without_first_k() if found is not None and context_spans else found
     except Exception as exc:  # noqa: BLE001 - no profile means the built-in default, said once
         log.warning("contextkit connector: no calibration profile for %s (%s)", model_dir, exc)

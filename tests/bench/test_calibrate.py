@@ -69,6 +69,21 @@ def test_calibrate_writes_a_profile_the_kit_uses_and_other_weights_refuse(tmp_pa
     assert merged.band_for(120).name == "0.25k" and merged.band_for(1400).name == "1.5k"
     proc = cli("calibrate", *short, "--set", f"add_to={profile_file}", "--set", f"out={tmp_path / 'no.json'}")
     assert proc.returncode == 2 and "elsewhere/avx2/64c" in proc.stderr and not (tmp_path / "no.json").exists()
+    # spans saved out of another request's context (what vLLM's connector loads), with kv_deviation's series:
+    # a profile of its own (its id says so), refused where spans compiled alone are reused
+    ctx_file = tmp_path / "context.json"
+    proc = cli("calibrate", "--n", "1", "--dtype", "float32", "--out", str(ctx_file), "--json", str(table),
+               "--set", "bands=0.25k", "--set", "ratios=0", "--set", "kv_source=context", "--set", "kv_deviation=0.3",
+               "--set", "answer_tokens=4", "--set", "split=all", "--set", "quantile=0.5", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(table.read_text())["rows"]
+    assert [(r["policy"], r["ratio"], r["first_k"], r["probe_layers"]) for r in rows] == [
+        ("query_attention", 0.0, None, 8), ("kv_deviation", 0.3, None, None)]
+    own = CalibrationProfile.load(ctx_file, model_digest=digest, dtype="float32", kv_source="context")
+    assert own.id == f"{digest[:12]}-float32-context" and own.series(own.bands[0].points[1]) == ("kv_deviation", 0)
+    assert own.options(own.bands[0].points[1]).policy == "kv_deviation"
+    with pytest.raises(CalibrationError, match="kv_source=compiled"):
+        CalibrationProfile.load(ctx_file, model_digest=digest, dtype="float32", kv_source="compiled")
     # another model's weights, or the same weights in another dtype: refused, never used
     with pytest.raises(CalibrationError, match="other weights"):
         CalibrationProfile.load(profile_file, model_digest=weights_digest(gemma_dir), dtype="float32")
@@ -116,7 +131,9 @@ def test_calibrate_without_data_outside_a_checkout_says_to_pass_data(tmp_path, c
 
 @pytest.mark.parametrize("setting, hint", [("ratios=0.1,1.5", "numbers in [0, 1]"),
                                            ("probe_layers=-1", "layer counts >= 0"),
-                                           ("first_k=0,16", "token counts >= 1")])
+                                           ("first_k=0,16", "token counts >= 1"),
+                                           ("kv_deviation=0,0.2", "ratios in (0, 1]"),
+                                           ("kv_source=vllm", "compiled, context")])
 def test_calibrate_refuses_a_bad_list_naming_what_to_give(tmp_path, cli, one_line_error, setting, hint):
     one_line_error(cli("calibrate", "--set", setting, "--out", str(tmp_path / "p.json"), timeout=300),
                    f"--set {setting.split('=')[0]}=", hint)

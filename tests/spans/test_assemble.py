@@ -402,3 +402,25 @@ def test_a_key_inventing_sub_tenants_cannot_crowd_out_another_keys_pending_work(
     acme = [k for k in cache.pending if k.tenant.startswith("acme:")]
     assert len(acme) == 2 and {k.tenant for k in acme} == {"acme:8", "acme:9"}  # its own newest
     assert sum(k.tenant.startswith("acme:") for k in cache.borrowed) == 2
+
+
+def test_spans_cut_from_a_context_hold_that_contexts_kv_and_go_back_in_place_exactly(smol):
+    """``cut_from_context`` (calibrate's "context" KV source, as vLLM's connector saves spans): the spans of a
+    prompt with its documents reversed, each cut out position-free. Laid back where they were cut and given
+    as ``provided`` KV with nothing recomputed, they give that prompt's full prefill; the first span (nothing
+    before it) is the one compiled alone, a later one is not (it saw the spans before it)."""
+    from contextkit.spans.compile import cut_from_context
+
+    engine, tok, cache, items, _, _ = smol
+    prefix, *docs, query = items
+    reordered = (prefix, *docs[::-1], query)
+    cut = cut_from_context(engine, cache.identity, [it.span for it in reordered[:-1]], cache.rerotator)
+    assert [c.token_ids for c in cut] == [it.span.token_ids for it in reordered[:-1]]
+    full = cache.assemble(RequestPlan(reordered, ReuseOptions(policy="full")))
+    back = cache.assemble(RequestPlan(reordered, ReuseOptions(policy="none", first_k=0)),
+                          provided=dict(enumerate(cut)))
+    assert back.report.recomputed_tokens == 0 and back.report.hits == len(reordered) - 1
+    assert (back.logits - full.logits).abs().max().item() <= TOL
+    alone = [cache.compiled(it.span)[0] for it in reordered[:2]]
+    assert (cut[0].k - alone[0].k).abs().max().item() <= TOL
+    assert (cut[1].k - alone[1].k).abs().max().item() > 100 * TOL  # it saw the system span first

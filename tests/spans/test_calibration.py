@@ -123,7 +123,7 @@ def test_first_k_alone_is_a_series_of_its_own_chosen_where_it_reaches_the_budget
     query_attention's ratios: its points are ordered by k, and the fastest qualifying setting of any series
     runs, as the options a request gets (policy first_k, ratio 0)."""
     qa = (_point(0.0, 0.4, speedup=12.0), _point(0.2, 0.08, speedup=3.0), _point(0.3, 0.04, speedup=2.3))
-    fk = tuple(dataclasses.replace(_point(0.0, kl, speedup=sp), first_k=k)
+    fk = tuple(dataclasses.replace(_point(0.0, kl, speedup=sp), first_k=k, policy="first_k")
                for k, kl, sp in ((16, 0.2, 5.0), (32, 0.09, 3.5), (64, 0.05, 2.2)))
     p = _profile((Band("1.5k", 1500, qa + fk),))
     c = p.choose(0.1, 1500)  # k=32 (3.5x) and r=0.2 (3.0x) both hold 0.1: the faster runs
@@ -168,6 +168,18 @@ def test_a_profile_round_trips_and_is_refused_for_other_weights_or_dtype(tmp_pat
     assert find_profile(tmp_path, model_digest=DIGEST, dtype="bfloat16") is None  # none for that dtype
     with pytest.raises(CalibrationError):
         find_profile(tmp_path, model_digest="cd" * 32, dtype="float32", explicit=path)
+    # a profile measured on spans saved out of another request's context (vLLM's connector): a file of its
+    # own, found only for that source, refused for the other
+    ctx = dataclasses.replace(p, kv_source="context")
+    profile_path(tmp_path, "float32", "context").write_text(ctx.to_json())
+    assert find_profile(tmp_path, model_digest=DIGEST, dtype="float32", kv_source="context") == ctx
+    assert find_profile(tmp_path, model_digest=DIGEST, dtype="float32") == p and ctx.id == p.id + "-context"
+    with pytest.raises(CalibrationError, match="kv_source=context"):
+        find_profile(tmp_path, model_digest=DIGEST, dtype="float32", kv_source="context", explicit=path)
+    deep = json.loads(ctx.to_json())
+    deep["bands"][0]["points"][0].update(policy="kv_deviation", probe_layers=0)
+    with pytest.raises(CalibrationError, match="kv_deviation point runs no probe"):
+        CalibrationProfile.from_json(json.dumps(deep))
     path.write_text('{"format": "something else"}')
     with pytest.raises(CalibrationError, match="contextkit calibrate"):
         CalibrationProfile.load(path, model_digest=DIGEST, dtype="float32")
@@ -230,6 +242,9 @@ def _set(raw: dict, path: tuple, value) -> dict:
     (("probe_layers",), -3, "probe_layers"),
     (("answer_tokens",), 0, "answer_tokens"),
     (("bands", 0, "points", 0, "surprise"), 1, "bands[0].points[0].surprise"),
+    (("bands", 0, "points", 0, "policy"), "budget", "bands[0].points[0]"),  # not a calibrated setting
+    (("bands", 0, "points", 0, "policy"), "first_k", "bands[0].points[0]"),  # without a k
+    (("kv_source",), "vllm", "kv_source"),
 ])
 def test_a_profile_with_a_value_out_of_range_is_refused_naming_the_field(tmp_path, path, value, field):
     """Each of these loaded before and raised later, inside vLLM's scheduler on the first budget request."""
@@ -244,13 +259,13 @@ def test_a_profile_with_a_value_out_of_range_is_refused_naming_the_field(tmp_pat
 _JSONISH = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True),
                      st.text(max_size=3), st.lists(st.floats(-1, 2), max_size=3))
 _FIELDS = [("ratio",), ("answer_kl",), ("answer_kl", 0), ("tf_agreement", 1), ("speedup",), ("probe_layers",),
-           ("shift",), ("first_k",)]
+           ("shift",), ("first_k",), ("policy",)]
 
 
 @settings(max_examples=150, deadline=None)
 @given(edits=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 3), st.sampled_from(_FIELDS), _JSONISH),
                       min_size=1, max_size=3),
-       top=st.sampled_from([None, "first_k", "probe_layers", "quantile"]), top_value=_JSONISH,
+       top=st.sampled_from([None, "first_k", "probe_layers", "quantile", "kv_source"]), top_value=_JSONISH,
        budget=st.floats(0.001, 1.0), tokens=st.integers(0, 100_000))
 def test_whatever_a_profile_holds_it_is_refused_at_load_or_chooses_without_raising(edits, top, top_value, budget,
                                                                                    tokens):
@@ -268,7 +283,8 @@ def test_whatever_a_profile_holds_it_is_refused_at_load_or_chooses_without_raisi
         assert "contextkit calibrate" in str(exc)
         return
     choice = profile.choose(budget, tokens)  # what the connector's scheduler calls: never raises
-    assert choice.options.policy in ("full", "query_attention", "first_k") and 0.0 <= choice.options.ratio <= 1.0
+    assert choice.options.policy in ("full", "query_attention", "first_k", "kv_deviation")
+    assert 0.0 <= choice.options.ratio <= 1.0
     assert choice.tail_gate is None or choice.tail_gate >= 0.0
 
 
@@ -344,4 +360,5 @@ def test_every_shipped_profile_loads_and_is_named_by_its_id():
     for path in shipped:
         head = json.loads(path.read_text())
         profile = CalibrationProfile.load(path, model_digest=head["model_digest"], dtype=head["dtype"])
-        assert path == packaged_profile(profile.model_digest, profile.dtype) and path.stem == profile.id
+        assert path == packaged_profile(profile.model_digest, profile.dtype, profile.kv_source)
+        assert path.stem == profile.id

@@ -255,13 +255,22 @@ def test_a_hub_id_is_looked_up_in_its_local_snapshot(tmp_path):
     assert _profile(_local_model_dir("org/tiny", download_dir=str(cache)), "bfloat16") == profile
     # the first_k series, calibrated on spans compiled alone, is left out where spans load as KV saved in
     # their first request's context (the default), kept where every span is compiled alone
-    kept = dataclasses.replace(profile.bands[0].points[0], first_k=32, ratio=0.0, speedup=9.0)
+    kept = dataclasses.replace(profile.bands[0].points[0], first_k=32, ratio=0.0, speedup=9.0, policy="first_k")
     both = dataclasses.replace(profile, bands=(dataclasses.replace(profile.bands[0],
                                                                    points=(*profile.bands[0].points, kept)),))
     profile_path(snap, "bfloat16").write_text(both.to_json())
     assert _profile(snap, "bfloat16") == profile and profile.choose(0.1, 170).options.policy == "query_attention"
     assert _profile(snap, "bfloat16", context_spans=False) == both
     assert both.choose(0.1, 170).options.policy == "first_k"
+    # a profile calibrated on KV saved in context (calibrate --set kv_source=context) is the one the connector
+    # uses while context_spans is on, whole; the compiled one where every span is compiled alone
+    deviation = dataclasses.replace(profile.bands[0].points[0], ratio=0.2, speedup=4.0, policy="kv_deviation",
+                                    probe_layers=None)
+    context = dataclasses.replace(profile, kv_source="context", bands=(dataclasses.replace(
+        profile.bands[0], points=(deviation,)),))
+    profile_path(snap, "bfloat16", "context").write_text(context.to_json())
+    assert _profile(snap, "bfloat16") == context and context.choose(0.1, 170).options.policy == "kv_deviation"
+    assert _profile(snap, "bfloat16", context_spans=False) == both
     assert _local_model_dir("org/absent", download_dir=str(cache)) is None
     assert _profile(None, "bfloat16") is None
 
@@ -313,7 +322,7 @@ def test_a_budget_that_chooses_first_k_repairs_only_each_spans_first_tokens(stor
     repair plan recomputes each loaded span's first k tokens and nothing else (no probe), and the report
     says which k ran."""
     kl = (0.01,) * 19
-    point = Point(0.0, kl, (1.0,) * 19, 3.0, first_k=16)
+    point = Point(0.0, kl, (1.0,) * 19, 3.0, first_k=16, policy="first_k")
     profile = CalibrationProfile("ab" * 32, "bfloat16", 0.9, 32, "hand-made", (Band("short", 170, (point,)),))
     sched = _scheduler(store, tmp_path, None, profile=profile)
     req = _request("k1", ReuseOptions(fidelity_budget=0.05))
