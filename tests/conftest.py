@@ -42,7 +42,6 @@ VLLM_FIXTURES = frozenset({
 SHARED_SERVER_FIXTURES = frozenset({"_vllm", "vllm_url", "vllm_events", "recorder", "open_proxy", "second_vllm"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to schedule by them
 def pytest_collection_modifyitems(config, items):
     shared_files = set()
     for item in items:
