@@ -50,7 +50,7 @@ serve: venv
 test: venv services-deps
 	$(BIN)/python tools/lint_layers.py
 	$(BIN)/ruff check .
-	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(BIN)/python tools/with_services.py -- $(BIN)/python -m pytest -q --durations=25
 
 # The quicker check while editing: the layer contracts, then every test that needs no vLLM server and is
 # not marked slow (262 tests; the small real model still loads: 6 min 52 measured with a full make test

@@ -36,26 +36,11 @@ VLLM_FIXTURES = frozenset({
 })
 
 
-# The servers `make test` shares (tools/with_services.py) or a folder's conftest starts once: the tests that
-# reach them run on one pytest-xdist worker, one after another (a test resets the shared server's prefix
-# cache, another reads its cached_tokens), in the group below.
-SHARED_SERVER_FIXTURES = frozenset({"_vllm", "vllm_url", "vllm_events", "recorder", "open_proxy", "second_vllm"})
-
-
 def pytest_collection_modifyitems(config, items):
-    shared_files = set()
     for item in items:
         # fixturenames is the test's whole fixture closure, so a fixture built on vllm_url counts too
-        names = set(getattr(item, "fixturenames", ()))
-        if VLLM_FIXTURES & names:
+        if VLLM_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
-        if SHARED_SERVER_FIXTURES & names:
-            shared_files.add(item.path)
-    # `make test` runs two workers (-n 2 --dist loadgroup): a group runs whole on one worker, so a file's
-    # module fixtures (its own servers) start once; every file with a test on a shared server is one group
-    for item in items:
-        group = "shared-servers" if item.path in shared_files else str(item.path.relative_to(REPO))
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
