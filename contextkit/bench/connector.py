@@ -54,6 +54,7 @@ memory) and ``repair_weights_mb`` (the engine the worker loads at start, measure
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import shutil
@@ -286,8 +287,12 @@ def _recompute_summary(m: _Rows, rows: dict[str, dict], before, after, model_dir
                     f"{key}_tf_agreement": f["tf_agreement"], f"{key}_tf_agreement_tokens": f["tf_agreement_tokens"],
                     f"{key}_tf_agreement_tie": f["tf_agreement_tie"], f"{key}_answer_kl_p90": f["answer_kl_p90"],
                     f"{key}_share": round(sum(r.get("recomputed_tokens", 0) for r in reports) / max(1, loaded), 3)})
-    first = (m.reports.get(recompute.RECOMPUTE) or [{}])[0].get("recompute") or {}
-    out["recompute_resolved"] = {k: first.get(k) for k in ("policy", "ratio", "profile", "band")}
+    default = [r.get("recompute") or {} for r in m.reports.get(recompute.RECOMPUTE) or [{}]]
+    out["recompute_resolved"] = {k: default[0].get(k) for k in ("policy", "ratio", "first_k", "profile", "band")}
+    # what every request's budget resolved to (a profile's bands and tail gate can differ per request)
+    out["recompute_settings"] = dict(collections.Counter(
+        f"{r.get('policy')} r={r.get('ratio')}" + (f" k={r['first_k']}" if r.get("first_k") else "")
+        for r in default))
     out.update(recompute.repair_cost(before[0], after[0]))
     out["repair_rss_mb"] = round(after[1] - before[1], 1)  # the repairs' working memory, in server A
     out["repair_weights_mb"] = recompute.engine_weights_mb(model_dir, dtype)  # loaded at A's start
