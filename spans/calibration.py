@@ -57,16 +57,16 @@ from pathlib import Path
 
 from contextkit.core.config import machine_class
 from contextkit.core.errors import CalibrationError
-from contextkit.core.policy import ReuseOptions
+from contextkit.core.policy import REPAIR_POLICIES, ReuseOptions
 
 FORMAT = "contextkit-calibration-v1"
 # Where a profile's reused KV came from. "compiled": each span computed alone from position 0 (the built-in
 # engine's span store). "context": each span cut out of an earlier request that held the same passages in
 # another order (vLLM's connector with context_spans: spans saved from their first request's context).
 KV_SOURCES = ("compiled", "context")
-# A calibrated setting's policy: query_attention (a probe depth's ratios), first_k alone (its k), or
-# kv_deviation (its ratios, ranked at the options' check layer)
-POINT_POLICIES = ("query_attention", "first_k", "kv_deviation")
+# A calibrated setting's policy: each policy that recomputes (core.policy's table) but the budget itself:
+# query_attention (a probe depth's ratios), first_k alone (its k), kv_deviation (its ratios)
+POINT_POLICIES = tuple(p for p in REPAIR_POLICIES if p != "budget")
 # Speedups within this factor of the fastest qualifying setting's are not told apart: a median of 24
 # prompts on a shared CPU moves by a few percent between runs (at budget 0.05 on the tune half, 2026-12-05,
 # r=0.5 measured 1.498x with the 8-layer probe and 1.485x with the all-layer one, whose bound is 0.023

@@ -36,12 +36,9 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import json
 import os
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +46,7 @@ from pathlib import Path
 import aiohttp
 
 from contextkit.bench.harness import BenchContext, median, percentile, post_completion
-from contextkit.core.errors import ConfigError
+from contextkit.core.errors import ConfigError, UpstreamError
 
 ARMS = ("round_robin", "current", "events", "vllm_router", "vllm_router_unordered", "oracle")
 KEY, TENANT = "key-bench-fleet-0001", "bench"
@@ -284,16 +281,15 @@ def _fresh(urls: list[str], *, api_key: str | None, model: str) -> None:
 
 
 def _listed(url: str, api_key: str | None) -> tuple[str, int]:
-    """A running server's first model id and its max_model_len, from its /v1/models."""
-    req = urllib.request.Request(url.rstrip("/") + "/v1/models",
-                                 headers={"authorization": f"Bearer {api_key}"} if api_key else {})
+    """A running server's first model id and its max_model_len (4096 where not listed)."""
+    from contextkit.integrations.launchers.vllm_server import listed_model
+
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            first = json.load(r)["data"][0]
-        return first["id"], int(first.get("max_model_len") or 4096)
-    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"--set upstreams: {url}/v1/models did not answer ({e}); is it a vLLM server, and its "
-                          "key in CONTEXTKIT_PROXY_UPSTREAM_API_KEY?") from e
+        model, max_len = listed_model(url, api_key=api_key, timeout_s=30)
+    except UpstreamError as e:
+        raise ConfigError(f"--set upstreams: {e}; a keyed server's key goes in "
+                          "CONTEXTKIT_PROXY_UPSTREAM_API_KEY") from e
+    return model, max_len or 4096
 
 
 def _given(ctx: BenchContext) -> tuple[list[str], list[str]] | None:

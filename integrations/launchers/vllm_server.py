@@ -30,8 +30,8 @@ from contextkit.core.config import DTYPES, resolve_dtype
 from contextkit.core.errors import ConfigError, UpstreamError
 from contextkit.integrations.launchers.process import ManagedProcess, free_port, health, wait_for_health
 
-__all__ = ["VLLMServer", "VLLMServerConfig", "free_port", "health", "reset_prefix_cache", "served_model",
-           "vllm_python", "wait_for_health"]
+__all__ = ["VLLMServer", "VLLMServerConfig", "free_port", "health", "listed_model", "reset_prefix_cache",
+           "served_model", "vllm_python", "wait_for_health"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +167,19 @@ def reset_prefix_cache(url: str) -> bool:
 
 def served_model(url: str) -> str:
     """The first model id the server lists."""
+    return listed_model(url)[0]
+
+
+def listed_model(url: str, *, api_key: str | None = None, timeout_s: float = 10) -> tuple[str, int | None]:
+    """The first model the server lists on /v1/models (``api_key``: a keyed server's): its id and its
+    max_model_len (None where not listed)."""
+    req = urllib.request.Request(url.rstrip("/") + "/v1/models",
+                                 headers={"authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
-            return json.load(r)["data"][0]["id"]
-    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            first = json.load(r)["data"][0]
+        return first["id"], int(first["max_model_len"]) if first.get("max_model_len") else None
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError, TypeError) as e:
         raise UpstreamError(f"could not list models at {url}/v1/models ({e}); is it a vLLM server?") from e
 
 
